@@ -1,0 +1,28 @@
+# `make test` on a fresh machine: creates .venv, installs the pinned requirements, runs every test.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-fast venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+	touch $(STAMP)
+
+# The whole suite, slow tests included (CI runs exactly this).
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+# Everything but the tests marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_syncbn.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
