@@ -1,0 +1,207 @@
+"""File-backed segmentation datasets: decoding, validation, bad-sample policy, palettes.
+
+A sample on disk is an RGB image (any format cv2 reads) and a single-channel index PNG of the same
+size (palette PNGs are read as indices, never as colors). Each dataset subclass only lists its
+(image, mask) pairs and its class names; this module does the rest.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import cv2
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from data.transforms import IGNORE_INDEX, to_tensors
+
+logger = logging.getLogger(__name__)
+
+Transform = Callable[[np.ndarray, np.ndarray], tuple[torch.Tensor, torch.Tensor]]
+
+_IMAGE_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # masks ignore EXIF too
+
+
+class BadSampleError(ValueError):
+    """An image/mask pair that cannot be used; the message names the file and the problem."""
+
+
+def bit_palette(num_colors: int) -> np.ndarray:
+    """The Pascal VOC color map (bits of the index spread over R, G, B): num_colors x 3 uint8."""
+    palette = np.zeros((num_colors, 3), dtype=np.uint8)
+    for index in range(num_colors):
+        value, red, green, blue = index, 0, 0, 0
+        for bit in range(8):
+            red |= ((value >> 0) & 1) << (7 - bit)
+            green |= ((value >> 1) & 1) << (7 - bit)
+            blue |= ((value >> 2) & 1) << (7 - bit)
+            value >>= 3
+        palette[index] = (red, green, blue)
+    return palette
+
+
+def palette_image(mask: np.ndarray, palette: np.ndarray) -> Image.Image:
+    """HxW class-index mask -> PIL image in P mode colored by `palette` (num_classes x 3); 255 is black."""
+    mask = np.asarray(mask)
+    if mask.ndim != 2:
+        raise ValueError(f"palette_image expects an HxW mask, got shape {mask.shape}")
+    if mask.size and (mask.min() < 0 or mask.max() > 255):
+        raise ValueError(f"palette_image: mask values must be in [0, 255], got [{mask.min()}, {mask.max()}]")
+    palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)[:255]
+    full = np.zeros((256, 3), dtype=np.uint8)
+    full[: len(palette)] = palette
+    image = Image.fromarray(mask.astype(np.uint8), mode="P")
+    image.putpalette(full.reshape(-1).tolist())
+    return image
+
+
+def read_image(path: str | os.PathLike) -> np.ndarray:
+    """HxWx3 uint8 RGB (EXIF orientation ignored, like the mask); BadSampleError if unreadable."""
+    image = cv2.imread(os.fspath(path), _IMAGE_READ_FLAGS)
+    if image is None:
+        raise BadSampleError(f"cannot read image '{path}' (missing, truncated or not an image)")
+    return image
+
+
+def read_index_mask(path: str | os.PathLike) -> np.ndarray:
+    """HxW uint8 class indices from a single-channel PNG (palette 'P' or grayscale 'L'/'I;16')."""
+    try:
+        with Image.open(path) as image:
+            mode = image.mode
+            if mode not in ("P", "L", "I", "I;16"):
+                raise BadSampleError(
+                    f"mask '{path}' is a {mode} image; expected a single-channel index PNG "
+                    "(palette or grayscale, pixel value = class index, 255 = ignore)"
+                )
+            mask = np.asarray(image)
+    except BadSampleError:
+        raise
+    except (OSError, SyntaxError, ValueError) as error:
+        raise BadSampleError(f"cannot read mask '{path}': {error}") from None
+    if mask.dtype != np.uint8:
+        if mask.size and (mask.min() < 0 or mask.max() > 255):
+            raise BadSampleError(
+                f"mask '{path}' has values in [{mask.min()}, {mask.max()}]; expected class indices or 255"
+            )
+        mask = mask.astype(np.uint8)
+    return mask
+
+
+class SegmentationDataset(Dataset):
+    """(image, mask) file pairs -> (uint8 tensor 3xHxW, int64 tensor HxW with 255 = ignore).
+
+    `label_map` (256 entries) maps raw mask values to class indices (e.g. Cityscapes labelIds to
+    trainIds); without it raw values are the classes. Raw values outside [0, num_classes) that are
+    not 255 (or, with a label_map, outside `num_raw_labels`) make a sample bad. A bad sample raises
+    BadSampleError naming the file, or with `skip_bad_samples` logs a warning and yields the next
+    good sample instead (`num_skipped` counts them in this process).
+    """
+
+    ignore_index = IGNORE_INDEX
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[Path, Path]],
+        *,
+        classes: Sequence[str],
+        palette: np.ndarray,
+        transform: Transform | None = None,
+        skip_bad_samples: bool = False,
+        label_map: np.ndarray | None = None,
+        num_raw_labels: int | None = None,
+        description: str = "dataset",
+    ) -> None:
+        self.classes = tuple(classes)
+        self.palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)
+        if len(self.palette) < len(self.classes):
+            raise ValueError(f"{description}: palette has {len(self.palette)} colors for {len(self.classes)} classes")
+        self.palette = self.palette[: len(self.classes)]
+        self.transform = transform
+        self.skip_bad_samples = skip_bad_samples
+        self.description = description
+        self.num_skipped = 0
+        valid_raw = num_raw_labels if label_map is not None else len(self.classes)
+        if valid_raw is None:
+            raise ValueError("num_raw_labels is required with a label_map")
+        invalid = np.ones(256, dtype=np.uint8)
+        invalid[:valid_raw] = 0
+        invalid[IGNORE_INDEX] = 0
+        self._invalid_lut = invalid
+        self._num_valid_raw = valid_raw
+        self._label_map = None if label_map is None else np.asarray(label_map, dtype=np.uint8).reshape(256)
+        self.samples = self._existing(list(samples))
+
+    def _existing(self, samples: list[tuple[Path, Path]]) -> list[tuple[Path, Path]]:
+        kept = []
+        for image_path, mask_path in samples:
+            missing = [str(p) for p in (image_path, mask_path) if not os.path.isfile(p)]
+            if not missing:
+                kept.append((image_path, mask_path))
+            elif self.skip_bad_samples:
+                logger.warning("%s: skipping sample, file(s) not found: %s", self.description, ", ".join(missing))
+            else:
+                raise FileNotFoundError(
+                    f"{self.description}: listed sample file(s) not found: {', '.join(missing)} "
+                    "(set data.skip_bad_samples=true to skip them)"
+                )
+        if len(kept) < len(samples):
+            logger.warning("%s: %d of %d listed samples skipped (missing files)",
+                           self.description, len(samples) - len(kept), len(samples))
+        if not kept:
+            raise FileNotFoundError(f"{self.description}: no usable samples")
+        return kept
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def name_of(self, index: int) -> str:
+        """The image file stem of sample `index` (used to name saved predictions)."""
+        return Path(self.samples[index][0]).stem
+
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Decoded, validated and label-mapped (image HxWx3 uint8 RGB, mask HxW uint8); raises BadSampleError."""
+        image_path, mask_path = self.samples[index]
+        image = read_image(image_path)
+        mask = read_index_mask(mask_path)
+        if image.shape[:2] != mask.shape:
+            raise BadSampleError(
+                f"image '{image_path}' is {image.shape[1]}x{image.shape[0]} but mask '{mask_path}' is "
+                f"{mask.shape[1]}x{mask.shape[0]} (width x height); they must match"
+            )
+        if mask.size and cv2.LUT(mask, self._invalid_lut).max():
+            bad = np.unique(mask[self._invalid_lut[mask].astype(bool)])
+            raise BadSampleError(
+                f"mask '{mask_path}' has values {bad[:10].tolist()} outside [0, {self._num_valid_raw - 1}] "
+                "and != 255 (255 = ignore)"
+            )
+        if self._label_map is not None:
+            mask = cv2.LUT(mask, self._label_map)
+        return image, mask
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"{self.description}: index {index} out of range for {len(self)} samples")
+        index %= len(self)
+        for attempt in range(len(self)):
+            current = (index + attempt) % len(self)
+            try:
+                image, mask = self.load(current)
+            except BadSampleError as error:
+                if not self.skip_bad_samples:
+                    raise
+                self.num_skipped += 1
+                logger.warning("%s: skipping bad sample (%d skipped so far in this process): %s",
+                               self.description, self.num_skipped, error)
+                continue
+            if self.transform is None:
+                return to_tensors(image, mask)
+            return self.transform(image, mask)
+        raise BadSampleError(f"{self.description}: every one of the {len(self)} samples is bad")

@@ -1,0 +1,195 @@
+"""Procedural shapes: the embedded default dataset (no files, deterministic, any image size).
+
+Each image is a textured background with 2-5 overlapping shapes of random class, scale, position and
+rotation. The background and every shape draw their color AND texture (flat, linear gradient or
+low-frequency blotches) from one shared distribution, so a pixel's color says nothing about its class;
+only shape does. A shape's base color is kept at least `_MIN_COLOR_DISTANCE` (RGB) away from the
+colors already on the canvas so its outline stays visible, and per-pixel Gaussian noise covers the
+whole image. Sample `index` of split `split` is a pure function of (seed, split, index); different
+splits use different random streams.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Callable
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from data.base import bit_palette
+from data.transforms import IGNORE_INDEX, to_tensors
+
+SHAPE_NAMES = ("disc", "rectangle", "triangle", "ring", "cross", "star", "hexagon")
+DEFAULT_NUM_CLASSES = 6  # background + the first five shapes
+MIN_IMAGE_SIZE = 16
+
+_MIN_SHAPES, _MAX_SHAPES = 2, 5
+_RADIUS_RANGE = (0.10, 0.28)  # shape radius as a fraction of the image side
+_MIN_COLOR_DISTANCE = 80.0
+_TEXTURE_AMPLITUDE = 40.0
+_NOISE_SIGMA_RANGE = (4.0, 12.0)
+_SUBPIXEL_SHIFT = 4  # cv2 fixed-point drawing: coordinates in 1/16 pixel
+
+Transform = Callable[[np.ndarray, np.ndarray], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _unit_polygon(name: str, rng: np.random.Generator) -> np.ndarray:
+    """Vertices (K x 2) of shape `name` with radius about 1, centered at the origin, unrotated."""
+    if name == "rectangle":
+        aspect = rng.uniform(0.45, 1.0)
+        return np.array([[-1, -aspect], [1, -aspect], [1, aspect], [-1, aspect]], dtype=np.float64) * 0.85
+    if name == "triangle":
+        angles = np.array([0.0, 2.0, 4.0]) * math.pi / 3 + rng.uniform(-0.25, 0.25, 3) - math.pi / 2
+        return np.stack([np.cos(angles), np.sin(angles)], axis=1) * 1.1
+    if name == "cross":
+        w = rng.uniform(0.25, 0.36)
+        return np.array(
+            [[-w, -1], [w, -1], [w, -w], [1, -w], [1, w], [w, w], [w, 1], [-w, 1], [-w, w], [-1, w], [-1, -w], [-w, -w]],
+            dtype=np.float64,
+        )
+    if name == "star":
+        angles = np.arange(10) * math.pi / 5 - math.pi / 2
+        radii = np.where(np.arange(10) % 2 == 0, 1.1, rng.uniform(0.4, 0.5))
+        return np.stack([np.cos(angles) * radii, np.sin(angles) * radii], axis=1)
+    if name == "hexagon":
+        angles = np.arange(6) * math.pi / 3
+        return np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    raise AssertionError(f"no polygon for shape {name}")
+
+
+def _draw_shape(layer: np.ndarray, name: str, center: np.ndarray, radius: float, angle: float,
+                rng: np.random.Generator) -> None:
+    """Fill the pixels of one shape with 1 in the uint8 `layer`."""
+    scale = 1 << _SUBPIXEL_SHIFT
+    if name in ("disc", "ring"):
+        cx, cy = (int(round(v * scale)) for v in center)
+        cv2.circle(layer, (cx, cy), int(round(radius * scale)), 1, -1, cv2.LINE_8, _SUBPIXEL_SHIFT)
+        if name == "ring":
+            inner = radius * rng.uniform(0.45, 0.62)
+            cv2.circle(layer, (cx, cy), int(round(inner * scale)), 0, -1, cv2.LINE_8, _SUBPIXEL_SHIFT)
+        return
+    points = _unit_polygon(name, rng)
+    cos, sin = math.cos(angle), math.sin(angle)
+    rotated = points @ np.array([[cos, sin], [-sin, cos]]) * radius + center
+    cv2.fillPoly(layer, [np.round(rotated * scale).astype(np.int32)], 1, cv2.LINE_8, _SUBPIXEL_SHIFT)
+
+
+def _texture(rng: np.random.Generator, color: np.ndarray, size: int, ramp: np.ndarray) -> np.ndarray:
+    """size x size x 3 float32: `color` plus one of flat / gradient / blotchy variation."""
+    kind = rng.integers(3)
+    if kind == 0:
+        return np.broadcast_to(color.astype(np.float32), (size, size, 3))
+    amplitude = rng.uniform(-_TEXTURE_AMPLITUDE, _TEXTURE_AMPLITUDE, 3).astype(np.float32)
+    if kind == 1:
+        angle = rng.uniform(0, 2 * math.pi)
+        field = math.cos(angle) * ramp[None, :] + math.sin(angle) * ramp[:, None]
+        return color.astype(np.float32) + field[:, :, None] * amplitude
+    coarse = rng.uniform(-1.0, 1.0, (4, 4, 3)).astype(np.float32)
+    field = cv2.resize(coarse, (size, size), interpolation=cv2.INTER_CUBIC)
+    return color.astype(np.float32) + field * (np.abs(amplitude) + 10.0)
+
+
+def _pick_color(rng: np.random.Generator, used: list[np.ndarray]) -> np.ndarray:
+    color = rng.uniform(0, 255, 3)
+    for _ in range(20):
+        if all(np.linalg.norm(color - other) >= _MIN_COLOR_DISTANCE for other in used):
+            break
+        color = rng.uniform(0, 255, 3)
+    return color
+
+
+def render_shapes(
+    rng: np.random.Generator, image_size: int, *, num_classes: int = DEFAULT_NUM_CLASSES
+) -> tuple[np.ndarray, np.ndarray]:
+    """One synthetic sample: (image HxWx3 uint8 RGB, mask HxW uint8 in [0, num_classes)), H = W = image_size."""
+    if not 2 <= num_classes <= len(SHAPE_NAMES) + 1:
+        raise ValueError(f"synthetic num_classes={num_classes} must be in [2, {len(SHAPE_NAMES) + 1}]")
+    if image_size < MIN_IMAGE_SIZE:
+        raise ValueError(f"synthetic image size {image_size} must be >= {MIN_IMAGE_SIZE}")
+    size = image_size
+    ramp = np.linspace(-1.0, 1.0, size, dtype=np.float32)
+    background = _pick_color(rng, [])
+    canvas = np.array(_texture(rng, background, size, ramp), dtype=np.float32)
+    mask = np.zeros((size, size), dtype=np.uint8)
+    used = [background]
+    layer = np.empty((size, size), dtype=np.uint8)
+    for _ in range(rng.integers(_MIN_SHAPES, _MAX_SHAPES + 1)):
+        label = int(rng.integers(1, num_classes))
+        radius = size * rng.uniform(*_RADIUS_RANGE)
+        center = rng.uniform(0.1 * size, 0.9 * size, 2)
+        angle = rng.uniform(0, 2 * math.pi)
+        layer.fill(0)
+        _draw_shape(layer, SHAPE_NAMES[label - 1], center, radius, angle, rng)
+        inside = layer.view(bool)
+        color = _pick_color(rng, used)
+        used.append(color)
+        mask[inside] = label
+        canvas[inside] = _texture(rng, color, size, ramp)[inside]
+    sigma = rng.uniform(*_NOISE_SIGMA_RANGE)
+    canvas += rng.standard_normal((size, size, 3), dtype=np.float32) * np.float32(sigma)
+    image = np.clip(canvas, 0, 255, out=canvas).astype(np.uint8)
+    return image, mask
+
+
+def split_stream(split: str) -> int:
+    """A stable random-stream id for a split name (train and val never share a stream)."""
+    return zlib.crc32(split.encode("utf-8"))
+
+
+class SyntheticShapes(Dataset):
+    """`length` procedurally generated samples of split `split`, each (uint8 3xHxW, int64 HxW) after `transform`."""
+
+    ignore_index = IGNORE_INDEX
+
+    def __init__(
+        self,
+        length: int,
+        image_size: int,
+        *,
+        num_classes: int = DEFAULT_NUM_CLASSES,
+        seed: int = 0,
+        split: str = "train",
+        transform: Transform | None = None,
+    ) -> None:
+        if length <= 0:
+            raise ValueError(f"synthetic dataset size {length} must be > 0 (data.synthetic_train_size / _val_size)")
+        if not 2 <= num_classes <= len(SHAPE_NAMES) + 1:
+            raise ValueError(f"data.num_classes={num_classes}: the synthetic dataset supports 2 to "
+                             f"{len(SHAPE_NAMES) + 1} classes (0 = default {DEFAULT_NUM_CLASSES})")
+        if image_size < MIN_IMAGE_SIZE:
+            raise ValueError(f"data.synthetic_image_size={image_size} must be >= {MIN_IMAGE_SIZE}")
+        self.length = length
+        self.image_size = image_size
+        self.seed = seed
+        self.split = split
+        self.transform = transform
+        self.classes = ("background",) + SHAPE_NAMES[: num_classes - 1]
+        self.palette = bit_palette(num_classes)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def name_of(self, index: int) -> str:
+        return f"synthetic_{index:05d}"
+
+    def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The untransformed sample: (image HxWx3 uint8 RGB, mask HxW uint8)."""
+        if not 0 <= index < self.length:
+            raise IndexError(f"synthetic {self.split}: index {index} out of range for {self.length} samples")
+        rng = np.random.default_rng([self.seed, split_stream(self.split), index])
+        return render_shapes(rng, self.image_size, num_classes=self.num_classes)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if -self.length <= index < 0:
+            index += self.length
+        image, mask = self.load(index)
+        if self.transform is None:
+            return to_tensors(image, mask)
+        return self.transform(image, mask)

@@ -1,0 +1,166 @@
+"""Albumentations pipelines for (image, mask) pairs and the one device-side normalization.
+
+Images stay uint8 from decoding to the training device: the host does geometry only, and
+`normalize_batch` turns a uint8 batch into float32 on whatever device it lives on. Training,
+evaluation and prediction all call `normalize_batch`, so mean/std live in one place.
+
+Randomness: `PairTransform` draws one seed per sample from torch's global generator and seeds the
+albumentations pipeline with it. Inside DataLoader workers torch seeds that generator per worker
+(base seed + worker id), so workers never repeat each other, and a run seeded with torch.manual_seed
+(or resumed with its torch RNG state restored) replays the same augmentations.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import albumentations as A
+import cv2
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = 255
+
+
+def build_train_augmentation(
+    crop_size: int,
+    scale_range: tuple[float, float] = (0.5, 2.0),
+    *,
+    hflip: bool = True,
+    photometric: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+) -> A.Compose:
+    """Random scale -> pad to `crop_size` (image 0, mask `ignore_index`) -> random crop -> flip.
+
+    Geometric ops use cv2 interpolation (linear for the image, nearest for the mask). Optional
+    photometric jitter and blur touch the image only. Output arrays stay uint8.
+    """
+    low, high = float(scale_range[0]), float(scale_range[1])
+    if not 0 < low <= high:
+        raise ValueError(f"scale_range={scale_range} must satisfy 0 < low <= high")
+    if crop_size <= 0:
+        raise ValueError(f"crop_size={crop_size} must be > 0")
+    steps: list[Any] = []
+    if (low, high) != (1.0, 1.0):
+        steps.append(
+            A.RandomScale(
+                scale_limit=(low - 1.0, high - 1.0),
+                interpolation=cv2.INTER_LINEAR,
+                mask_interpolation=cv2.INTER_NEAREST,
+                p=1.0,
+            )
+        )
+    steps += [
+        A.PadIfNeeded(
+            min_height=crop_size,
+            min_width=crop_size,
+            position="top_left",
+            border_mode=cv2.BORDER_CONSTANT,
+            fill=0,
+            fill_mask=ignore_index,
+        ),
+        A.RandomCrop(height=crop_size, width=crop_size),
+    ]
+    if hflip:
+        steps.append(A.HorizontalFlip(p=0.5))
+    if photometric:
+        steps += [
+            A.ColorJitter(brightness=0.25, contrast=0.25, saturation=0.25, hue=0.02, p=0.5),
+            A.GaussianBlur(blur_limit=(3, 5), sigma_limit=(0.1, 1.5), p=0.2),
+        ]
+    return A.Compose(steps)
+
+
+def build_eval_augmentation(base_size: int = 0) -> A.Compose | None:
+    """Eval geometry: None (the full image) or the long side resized to `base_size` when > 0."""
+    if base_size < 0:
+        raise ValueError(f"base_size={base_size} must be >= 0 (0 = full image)")
+    if base_size == 0:
+        return None
+    return A.Compose(
+        [
+            A.LongestMaxSize(
+                max_size=base_size, interpolation=cv2.INTER_LINEAR, mask_interpolation=cv2.INTER_NEAREST
+            )
+        ]
+    )
+
+
+class PairTransform:
+    """Callable (image HxWx3 uint8 RGB, mask HxW uint8/int) -> (uint8 tensor 3xHxW, int64 tensor HxW).
+
+    `augmentation` None means no geometry change (tensor conversion only).
+    """
+
+    def __init__(self, augmentation: A.Compose | None, *, random: bool) -> None:
+        self.augmentation = augmentation
+        self.random = random
+
+    def __call__(self, image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.augmentation is not None:
+            if self.random:
+                self.augmentation.set_random_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+            out = self.augmentation(image=image, mask=mask)
+            image, mask = out["image"], out["mask"]
+        return to_tensors(image, mask)
+
+    def __repr__(self) -> str:
+        return f"PairTransform(random={self.random}, augmentation={self.augmentation!r})"
+
+
+def build_train_transform(data_cfg: Any) -> PairTransform:
+    """The training pipeline configured by a DataConfig section (crop_size, scale_range, hflip, ...)."""
+    return PairTransform(
+        build_train_augmentation(
+            int(data_cfg.crop_size),
+            tuple(data_cfg.scale_range),
+            hflip=bool(getattr(data_cfg, "hflip", True)),
+            photometric=bool(getattr(data_cfg, "photometric", False)),
+            ignore_index=int(getattr(data_cfg, "ignore_index", IGNORE_INDEX)),
+        ),
+        random=True,
+    )
+
+
+def build_eval_transform(data_cfg: Any) -> PairTransform:
+    """The evaluation pipeline: full image, or long side resized to data_cfg.base_size when > 0."""
+    return PairTransform(build_eval_augmentation(int(getattr(data_cfg, "base_size", 0))), random=False)
+
+
+def to_tensors(image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """HxWx3 uint8 -> 3xHxW uint8 tensor (a strided view; collation makes it contiguous), mask -> int64."""
+    if image.dtype != np.uint8:
+        raise ValueError(f"expected a uint8 image, got {image.dtype}")
+    image_tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+    mask_tensor = torch.from_numpy(np.ascontiguousarray(mask)).to(torch.int64)
+    return image_tensor, mask_tensor
+
+
+def normalize_batch(
+    images: torch.Tensor, mean: Sequence[float], std: Sequence[float]
+) -> torch.Tensor:
+    """uint8 N x 3 x H x W (any device) -> float32 ((x / 255 - mean) / std), mean/std in 0-1 units.
+
+    Raises ValueError for a non-uint8 tensor (normalizing twice is a silent accuracy bug) or a shape
+    that is not N x C x H x W with C == len(mean) == len(std).
+    """
+    if images.dtype != torch.uint8:
+        raise ValueError(f"normalize_batch expects a uint8 image batch, got dtype {images.dtype}")
+    if images.dim() != 4:
+        raise ValueError(f"normalize_batch expects N x C x H x W, got shape {tuple(images.shape)}")
+    channels = images.shape[1]
+    if len(mean) != channels or len(std) != channels:
+        raise ValueError(
+            f"normalize_batch: mean {tuple(mean)} and std {tuple(std)} must have one value per channel "
+            f"({channels})"
+        )
+    if any(s <= 0 for s in std):
+        raise ValueError(f"normalize_batch: std {tuple(std)} must be positive")
+    mean64 = torch.tensor(mean, dtype=torch.float64)
+    std64 = torch.tensor(std, dtype=torch.float64)
+    # One fused multiply-add: x * (1 / (255 std)) - mean / std, constants computed in float64.
+    scale = (1.0 / (255.0 * std64)).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
+    shift = (mean64 / std64).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
+    return torch.addcmul(-shift, images.to(torch.float32), scale)
