@@ -1,0 +1,82 @@
+"""A generic dataset for custom data: images/ and masks/ folders paired by file stem.
+
+Layout under `root`:
+    images/<name>.{jpg,jpeg,png,bmp,tif,tiff,webp}
+    masks/<name>.png                    single-channel index PNGs (palette or grayscale), 255 = ignore
+    <split>.txt                         optional: one image stem per line
+Split resolution: `root/<split>.txt` if it exists, else subfolders `images/<split>/` + `masks/<split>/`,
+else split "all" takes every image in images/.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from data.base import SegmentationDataset, Transform, bit_palette
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+LAYOUT = (
+    "expected images/<name>.jpg|png and masks/<name>.png (index PNGs, 255 = ignore) under data.root, "
+    "and either <split>.txt (one name per line), images/<split>/ + masks/<split>/ subfolders, or split 'all'"
+)
+
+
+def _images_by_stem(folder: Path) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(folder.iterdir()) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()}
+
+
+class FolderSegmentation(SegmentationDataset):
+    """Custom data: `num_classes` classes, names from `class_names` or class_0, class_1, ..."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str,
+        *,
+        num_classes: int,
+        class_names: Sequence[str] = (),
+        transform: Transform | None = None,
+        skip_bad_samples: bool = False,
+    ) -> None:
+        if num_classes <= 0 or num_classes > 255:
+            raise ValueError(f"dataset 'folder' needs data.num_classes in [1, 255], got {num_classes}")
+        if class_names and len(class_names) != num_classes:
+            raise ValueError(f"data.class_names has {len(class_names)} names but data.num_classes={num_classes}")
+        if not str(root):
+            raise FileNotFoundError(f"data.root is empty for dataset 'folder'; {LAYOUT}")
+        self.root = Path(root).expanduser()
+        image_dir, mask_dir = self.root / "images", self.root / "masks"
+        for folder in (self.root, image_dir, mask_dir):
+            if not folder.is_dir():
+                raise FileNotFoundError(f"folder dataset: '{folder}' not found; {LAYOUT}")
+        list_file = self.root / f"{split}.txt"
+        if list_file.is_file():
+            available = _images_by_stem(image_dir)
+            names = [Path(line.split()[0]).stem for line in list_file.read_text().splitlines() if line.strip()]
+            unknown = [n for n in names if n not in available]
+            if unknown and not skip_bad_samples:
+                raise FileNotFoundError(
+                    f"folder dataset: '{list_file}' lists {len(unknown)} name(s) with no image in '{image_dir}' "
+                    f"(first: {unknown[0]!r}); {LAYOUT}"
+                )
+            samples = [(available[n], mask_dir / f"{n}.png") for n in names if n in available]
+        elif (image_dir / split).is_dir() and (mask_dir / split).is_dir():
+            samples = [(p, mask_dir / split / f"{s}.png") for s, p in _images_by_stem(image_dir / split).items()]
+        elif split == "all":
+            samples = [(p, mask_dir / f"{s}.png") for s, p in _images_by_stem(image_dir).items()]
+        else:
+            raise FileNotFoundError(
+                f"folder dataset: split '{split}' not found: no '{list_file}' and no "
+                f"'{image_dir / split}' + '{mask_dir / split}' folders; {LAYOUT}"
+            )
+        if not samples:
+            raise FileNotFoundError(f"folder dataset: split '{split}' under '{self.root}' has no images; {LAYOUT}")
+        self.split = split
+        super().__init__(
+            samples,
+            classes=tuple(class_names) or tuple(f"class_{i}" for i in range(num_classes)),
+            palette=bit_palette(num_classes),
+            transform=transform,
+            skip_bad_samples=skip_bad_samples,
+            description=f"folder {split} ({self.root})",
+        )
