@@ -1,0 +1,293 @@
+"""Feature extractors for DeepLab: torchvision ResNets and MobileNetV3-Large with an output stride of 8 or 16.
+
+Every backbone is built from torchvision's own definition, so torchvision's ImageNet state dicts load
+strictly into it (after dropping the ImageNet classifier; MobileNet keys also lose their `features.`
+prefix). `forward(x)` returns a dict of feature maps:
+
+- `low_level`: output stride 4 (ResNet layer1, MobileNet block 3), for the DeepLabV3+ decoder;
+- `aux`: ResNet layer3 (output stride 8 or 16) / MobileNet block 4 (output stride 8), for the FCN aux head;
+- `out`: the last stage, at the requested output stride.
+
+Each backbone exposes `low_level_channels`, `aux_channels` and `out_channels`.
+
+How output stride becomes dilation (the "atrous" conversion), all in this file:
+
+- ResNet-50/101 (Bottleneck): torchvision's `replace_stride_with_dilation`.
+- ResNet-18/34 (BasicBlock): torchvision refuses dilation, so `_dilate_basic_stage` converts the built
+  stage: the strided block keeps its previous dilation on conv1 with stride 1, every later 3x3 conv
+  (conv2 of that block and both convs of the following blocks) gets the new dilation. This is the exact
+  atrous conversion: in eval mode the dilated network's output subsampled by 2 (or 4) equals the
+  undilated network's output, which the tests check.
+- MobileNetV3-Large: torchvision's convention (`dilated=True`): every depthwise conv of a dilated stage,
+  the formerly strided one included, gets the stage's dilation. Output stride 16 dilates the last stage
+  by 2 (identical to `mobilenet_v3_large(dilated=True)`); 8 also dilates the stride-16 stage by 2 and
+  the last stage by 4.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Mapping
+from urllib.parse import urlparse
+
+import torch
+import torchvision
+from torch import Tensor, nn
+from torchvision.models.resnet import BasicBlock, ResNet
+
+logger = logging.getLogger(__name__)
+
+BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_large")
+OUTPUT_STRIDES = (8, 16)
+
+# torchvision weight enums whose ImageNet checkpoints the backbones accept (V1: the classic recipes,
+# the ones torchvision's own DeepLabV3 builders use).
+IMAGENET_WEIGHTS = {
+    "resnet18": "ResNet18_Weights.IMAGENET1K_V1",
+    "resnet34": "ResNet34_Weights.IMAGENET1K_V1",
+    "resnet50": "ResNet50_Weights.IMAGENET1K_V1",
+    "resnet101": "ResNet101_Weights.IMAGENET1K_V1",
+    "mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V1",
+}
+
+NormLayer = Callable[[int], nn.Module]
+
+
+class ResNetBackbone(nn.Module):
+    """The convolutional part of a torchvision ResNet (no avgpool / fc); module names equal torchvision's."""
+
+    def __init__(self, resnet: ResNet) -> None:
+        super().__init__()
+        self.conv1 = resnet.conv1
+        self.bn1 = resnet.bn1
+        self.relu = resnet.relu
+        self.maxpool = resnet.maxpool
+        self.layer1 = resnet.layer1
+        self.layer2 = resnet.layer2
+        self.layer3 = resnet.layer3
+        self.layer4 = resnet.layer4
+        expansion = 4 if not isinstance(resnet.layer1[0], BasicBlock) else 1
+        self.low_level_channels = 64 * expansion
+        self.aux_channels = 256 * expansion
+        self.out_channels = 512 * expansion
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        low_level = self.layer1(x)
+        aux = self.layer3(self.layer2(low_level))
+        out = self.layer4(aux)
+        return {"low_level": low_level, "aux": aux, "out": out}
+
+
+class MobileNetV3Backbone(nn.Sequential):
+    """torchvision MobileNetV3 `features` (blocks 0..16); keys equal torchvision's DeepLabV3 backbone keys."""
+
+    def __init__(self, features: nn.Sequential) -> None:
+        super().__init__(*features)
+        # Blocks whose stride moves to the next output stride (torchvision marks them `_is_cn`).
+        stage_starts = [i for i, block in enumerate(self) if getattr(block, "_is_cn", False)]
+        # stage_starts == [2, 4, 7, 13]: output strides 4, 8, 16, 32.
+        self.low_level_index = stage_starts[1] - 1  # last block at output stride 4
+        self.aux_index = stage_starts[1]  # torchvision's aux position ("C2", output stride 8)
+        self.out_index = len(self) - 1
+        self.low_level_channels = self[self.low_level_index].out_channels
+        self.aux_channels = self[self.aux_index].out_channels
+        self.out_channels = self[self.out_index].out_channels
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:  # type: ignore[override]
+        result = {}
+        for index, block in enumerate(self):
+            x = block(x)
+            if index == self.low_level_index:
+                result["low_level"] = x
+            if index == self.aux_index:
+                result["aux"] = x
+        result["out"] = x
+        return result
+
+
+def _dilate_conv(conv: nn.Conv2d, dilation: int) -> None:
+    """Stride 1, the given dilation, and the padding that keeps the spatial size ('same' for odd kernels)."""
+    kernel = conv.kernel_size[0]
+    conv.stride = (1, 1)
+    conv.dilation = (dilation, dilation)
+    conv.padding = ((kernel - 1) // 2 * dilation,) * 2
+
+
+def _dilate_basic_stage(stage: nn.Sequential, *, previous_dilation: int, dilation: int) -> None:
+    """Atrous conversion of a strided BasicBlock stage (see the module docstring)."""
+    first = stage[0]
+    _dilate_conv(first.conv1, previous_dilation)
+    _dilate_conv(first.conv2, dilation)
+    if first.downsample is not None:
+        first.downsample[0].stride = (1, 1)
+    for block in list(stage)[1:]:
+        _dilate_conv(block.conv1, dilation)
+        _dilate_conv(block.conv2, dilation)
+
+
+def _replace_stride_with_dilation(output_stride: int) -> list[bool]:
+    if output_stride not in OUTPUT_STRIDES:
+        raise ValueError(f"model.output_stride={output_stride} is not one of {', '.join(map(str, OUTPUT_STRIDES))}")
+    return [False, output_stride == 8, True]
+
+
+def _build_resnet(name: str, *, output_stride: int, norm_layer: NormLayer) -> ResNetBackbone:
+    dilate = _replace_stride_with_dilation(output_stride)
+    constructor = getattr(torchvision.models, name)
+    if name in ("resnet18", "resnet34"):
+        resnet = constructor(weights=None, norm_layer=norm_layer)
+        current = 1
+        for stage, flag in zip((resnet.layer2, resnet.layer3, resnet.layer4), dilate):
+            if flag:
+                _dilate_basic_stage(stage, previous_dilation=current, dilation=current * 2)
+                current *= 2
+    else:
+        resnet = constructor(weights=None, replace_stride_with_dilation=dilate, norm_layer=norm_layer)
+    return ResNetBackbone(resnet)
+
+
+def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> MobileNetV3Backbone:
+    _replace_stride_with_dilation(output_stride)  # validates
+    # torchvision's MobileNetV3 BatchNorm settings (eps 1e-3, momentum 0.01) are part of the pretrained recipe.
+    accepts_momentum = "momentum" in inspect.signature(norm_layer).parameters  # FrozenBatchNorm2d has none
+    norm = functools.partial(norm_layer, eps=0.001, **({"momentum": 0.01} if accepts_momentum else {}))
+    network = torchvision.models.mobilenet_v3_large(weights=None, norm_layer=norm)
+    backbone = MobileNetV3Backbone(network.features)
+    stage_starts = [i for i, block in enumerate(backbone) if getattr(block, "_is_cn", False)]
+    last_start = stage_starts[-1]
+    dilations = {range(last_start, len(backbone) - 1): 2}
+    if output_stride == 8:
+        dilations = {range(stage_starts[-2], last_start): 2, range(last_start, len(backbone) - 1): 4}
+    for blocks, dilation in dilations.items():
+        for index in blocks:
+            for module in backbone[index].modules():
+                if isinstance(module, nn.Conv2d) and module.kernel_size[0] > 1:
+                    _dilate_conv(module, dilation)
+    return backbone
+
+
+def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str = "none") -> nn.Module:
+    """A backbone by name (one of BACKBONES) with randomly initialized or pretrained weights.
+
+    pretrained: "none" (torchvision's random init), "imagenet" (torchvision's ImageNet checkpoint from the
+    local torch hub cache, see `imagenet_weights_file`; never downloaded), or a path to a state dict.
+    Raises ValueError for an unknown name / output stride or mismatching weights, FileNotFoundError
+    for a missing weights file.
+    """
+    if name.startswith("resnet") and name in BACKBONES:
+        backbone: nn.Module = _build_resnet(name, output_stride=output_stride, norm_layer=norm_layer)
+    elif name == "mobilenet_v3_large":
+        backbone = _build_mobilenet_v3_large(output_stride=output_stride, norm_layer=norm_layer)
+    else:
+        raise ValueError(f"model.backbone={name!r} is not one of {', '.join(BACKBONES)}")
+    if pretrained in ("", "none"):
+        return backbone
+    if pretrained == "imagenet":
+        path = imagenet_weights_file(name)
+        load_backbone_weights(backbone, _read_state_dict(path), source=str(path), strict=True)
+    else:
+        path = Path(pretrained)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"model.pretrained_backbone: backbone weights file '{path}' not found; "
+                "expected 'none', 'imagenet' or the path to a state dict file"
+            )
+        load_backbone_weights(backbone, _read_state_dict(path), source=str(path), strict=False)
+    return backbone
+
+
+def imagenet_weights_file(name: str) -> Path:
+    """Where torchvision's ImageNet checkpoint for `name` must be: <torch hub dir>/checkpoints/<file name>.
+
+    That is where torchvision itself caches it (`$TORCH_HOME/hub/checkpoints`, by default
+    ~/.cache/torch/hub/checkpoints). Raises FileNotFoundError naming the file and the folder when absent.
+    """
+    if name not in IMAGENET_WEIGHTS:
+        raise ValueError(f"model.backbone={name!r} has no ImageNet weights; choose one of {', '.join(IMAGENET_WEIGHTS)}")
+    weights = torchvision.models.get_weight(IMAGENET_WEIGHTS[name])
+    file_name = os.path.basename(urlparse(weights.url).path)
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    path = folder / file_name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"ImageNet weights for backbone '{name}' ({IMAGENET_WEIGHTS[name]}) not found: expected the file "
+            f"'{file_name}' in '{folder}' (set TORCH_HOME to change the folder). Nothing is downloaded at run "
+            f"time: fetch {weights.url} on a machine with network access and copy it there, or set "
+            "model.pretrained_backbone=none"
+        )
+    return path
+
+
+def _read_state_dict(path: Path) -> dict[str, Tensor]:
+    # model/ may not import engine/checkpoint.py (import rule), so this is the one torch.load outside it.
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # corrupt / not a torch file
+        raise ValueError(f"backbone weights file '{path}' could not be read as a state dict: {error}") from None
+    if isinstance(loaded, Mapping):
+        for key in ("state_dict", "model"):
+            if isinstance(loaded.get(key), Mapping):
+                loaded = loaded[key]
+                break
+    if not isinstance(loaded, Mapping) or not all(isinstance(v, Tensor) for v in loaded.values()):
+        raise ValueError(f"backbone weights file '{path}' does not hold a state dict (a mapping of names to tensors)")
+    return dict(loaded)
+
+
+def to_backbone_keys(backbone: nn.Module, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Map a torchvision classification state dict onto backbone keys.
+
+    ResNet: drop `fc.*`. MobileNetV3: drop `classifier.*` and strip the `features.` prefix. Keys of a
+    DeepLab checkpoint's backbone (`backbone.` prefix) lose that prefix. Other keys pass unchanged.
+    """
+    mapped = {}
+    is_mobilenet = isinstance(backbone, MobileNetV3Backbone)
+    for key, value in state_dict.items():
+        if key.startswith("backbone."):
+            key = key[len("backbone."):]
+        if not is_mobilenet and key.startswith("fc."):
+            continue
+        if is_mobilenet:
+            if key.startswith("classifier."):
+                continue
+            if key.startswith("features."):
+                key = key[len("features."):]
+        mapped[key] = value
+    return mapped
+
+
+def load_backbone_weights(
+    backbone: nn.Module, state_dict: Mapping[str, Tensor], *, source: str = "state dict", strict: bool = True
+) -> None:
+    """Load (torchvision-style) weights into a backbone, see `to_backbone_keys`.
+
+    Shape mismatches always raise ValueError. Missing / unexpected keys raise when `strict`, else they are
+    logged as warnings.
+    """
+    mapped = to_backbone_keys(backbone, state_dict)
+    own = backbone.state_dict()
+    mismatched = [
+        f"{key}: file {tuple(value.shape)} vs model {tuple(own[key].shape)}"
+        for key, value in mapped.items()
+        if key in own and own[key].shape != value.shape
+    ]
+    if mismatched:
+        raise ValueError(
+            f"backbone weights '{source}' do not fit the {type(backbone).__name__} "
+            f"({len(mismatched)} shape mismatches; wrong backbone name?): " + "; ".join(mismatched[:10])
+        )
+    result = backbone.load_state_dict(mapped, strict=False)
+    problems = []
+    if result.missing_keys:
+        problems.append(f"missing keys ({len(result.missing_keys)}): {', '.join(result.missing_keys[:10])}")
+    if result.unexpected_keys:
+        problems.append(f"unexpected keys ({len(result.unexpected_keys)}): {', '.join(result.unexpected_keys[:10])}")
+    if problems and strict:
+        raise ValueError(f"backbone weights '{source}' do not match the backbone: " + "; ".join(problems))
+    for problem in problems:
+        logger.warning("backbone weights '%s': %s", source, problem)
+    logger.info("loaded backbone weights from '%s' (%d tensors)", source, len(mapped))
