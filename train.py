@@ -1,0 +1,104 @@
+"""Train a DeepLab segmentation model.
+
+    python train.py --config voc.yaml [--gpus 0,1,2,3] [--resume auto|PATH] [KEY=VALUE ...]
+    torchrun --nproc_per_node 4 train.py --config voc.yaml [KEY=VALUE ...]
+
+Errors in the command line, the config or the data exit with status 2 and a one-line reason; a
+non-finite loss exits with status 1; SIGINT/SIGTERM save last.pt and exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+logger = logging.getLogger("train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train DeepLabV3/V3+ with synchronized BatchNorm (CPU, --gpus DataParallel, or torchrun DDP).",
+        epilog="Example: python train.py --config voc.yaml --gpus 0,1 train.iters=200 data.root=/data/VOCdevkit/VOC2012",
+    )
+    parser.add_argument("--config", help="YAML file, or a name in configs/ (voc.yaml, cityscapes.yaml, demo.yaml)")
+    parser.add_argument("--gpus", help="comma-separated GPU ids for one-process multi-GPU training (e.g. 0,1), "
+                                       "or 'cpu'; default: GPU 0 if CUDA is available, else CPU")
+    parser.add_argument("--resume", help="'auto' (continue from <run dir>/last.pt if it exists) or a checkpoint path; "
+                                         "overrides apply on top of the checkpoint's config")
+    parser.add_argument("--stop-at", type=int, default=None, metavar="ITER",
+                        help="save last.pt and stop at this iteration (split a run into chunks; resume later)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.iters=200")
+    return parser.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace):
+    """(config, resume payload or None) from --config, --resume and the overrides."""
+    from engine.config import build_config, from_dict, load_config, parse_overrides
+    from engine.trainer import load_resume_checkpoint
+
+    if args.config is None and (args.resume in (None, "auto")):
+        raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
+    config = load_config(args.config, args.overrides) if args.config else None
+    if args.resume is None:
+        return config, None
+    if args.resume == "auto":
+        path = config.run_dir / "last.pt"
+        if not path.is_file():
+            logging.getLogger("train").info("--resume auto: no %s yet, starting from scratch", path)
+            return config, None
+    else:
+        path = Path(args.resume)
+    payload = load_resume_checkpoint(path)
+    saved = from_dict(payload["config"], source=str(path))
+    config = build_config(parse_overrides(args.overrides), source="command line", base=saved)
+    logging.getLogger("train").info("resuming from %s at iteration %d", path, payload["iteration"])
+    return config, payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from engine.distributed import cleanup, setup_distributed
+
+    try:
+        dist_info = setup_distributed(args.gpus)
+    except ValueError as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO if dist_info.is_main else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s{' [rank %d]' % dist_info.rank if dist_info.world_size > 1 else ''} "
+               "%(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        from engine.trainer import Trainer
+
+        config, resume = resolve_config(args)
+        trainer = Trainer(config, dist_info, resume=resume, stop_at=args.stop_at)
+        del resume
+        result = trainer.fit()
+    except (ValueError, FileNotFoundError) as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        cleanup()
+        return 2
+    except FloatingPointError as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        cleanup()
+        return 1
+    if dist_info.is_main:
+        if result.reason == "signal":
+            print(f"train.py: interrupted at iteration {result.iteration}; saved {config.run_dir / 'last.pt'}; "
+                  f"continue with: python train.py --config {args.config or '...'} --resume auto", file=sys.stderr)
+        best = f"best val mIoU {result.best_miou:.4f}" if result.best_miou >= 0 else "no validation yet"
+        logger.info("done at iteration %d (%s); checkpoints in %s", result.iteration, best, config.run_dir)
+    cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
