@@ -1,0 +1,147 @@
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import data
+from data.transforms import (
+    PairTransform,
+    build_eval_augmentation,
+    build_eval_transform,
+    build_train_augmentation,
+    build_train_transform,
+    normalize_batch,
+)
+from engine.config import DataConfig
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def test_normalize_batch_matches_float64_reference():
+    images = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
+    out = normalize_batch(images, MEAN, STD)
+    mean = torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(STD, dtype=torch.float64).view(1, 3, 1, 1)
+    reference = (images.double() / 255.0 - mean) / std
+    assert out.dtype == torch.float32 and out.shape == images.shape
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=2e-6)
+
+
+def test_normalize_batch_rejects_float_and_wrong_shapes():
+    with pytest.raises(ValueError, match="uint8"):
+        normalize_batch(torch.zeros(1, 3, 4, 4), MEAN, STD)
+    with pytest.raises(ValueError, match="N x C x H x W"):
+        normalize_batch(torch.zeros(3, 4, 4, dtype=torch.uint8), MEAN, STD)
+    with pytest.raises(ValueError, match="one value per channel"):
+        normalize_batch(torch.zeros(1, 1, 4, 4, dtype=torch.uint8), MEAN, STD)
+
+
+def _run(transform, image, mask):
+    out_image, out_mask = transform(image, mask)
+    return out_image.numpy(), out_mask.numpy()
+
+
+@pytest.mark.parametrize("scale_range", [(1.0, 1.0), (0.5, 2.0)])
+def test_padding_is_ignore_in_mask_and_zero_in_image(scale_range):
+    # A small all-background image (mask 0 everywhere, image never 0) must be padded: every padded
+    # mask pixel must be 255, never 0, and the same pixels are 0 in the image.
+    image = np.full((20, 30, 3), 200, dtype=np.uint8)
+    mask = np.zeros((20, 30), dtype=np.uint8)
+    transform = PairTransform(build_train_augmentation(64, scale_range, hflip=True), random=True)
+    torch.manual_seed(0)
+    for _ in range(10):
+        out_image, out_mask = _run(transform, image, mask)
+        assert out_image.shape == (3, 64, 64) and out_mask.shape == (64, 64)
+        padded = out_mask == 255
+        assert padded.any()
+        assert set(np.unique(out_mask).tolist()) <= {0, 255}
+        assert (out_image[:, padded] == 0).all()
+        assert (out_image[:, ~padded] == 200).all()
+    if scale_range == (1.0, 1.0):
+        assert (out_mask == 0).sum() == 20 * 30
+
+
+def test_train_pipeline_types_and_label_preservation():
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (70, 90, 3), dtype=np.uint8)
+    mask = rng.integers(0, 6, (70, 90), dtype=np.uint8)
+    mask[0] = 255
+    cfg = DataConfig(crop_size=48, scale_range=(0.75, 1.5), photometric=True)
+    transform = build_train_transform(cfg)
+    torch.manual_seed(1)
+    for _ in range(5):
+        out_image, out_mask = transform(image, mask)
+        assert out_image.dtype == torch.uint8 and out_image.shape == (3, 48, 48)
+        assert out_mask.dtype == torch.int64 and out_mask.shape == (48, 48)
+        # nearest-neighbour mask interpolation: no invented labels
+        assert set(out_mask.unique().tolist()) <= set(range(6)) | {255}
+
+
+def test_train_pipeline_is_reproducible_from_torch_seed():
+    image = np.random.default_rng(0).integers(0, 256, (50, 60, 3), dtype=np.uint8)
+    mask = np.zeros((50, 60), dtype=np.uint8)
+    transform = build_train_transform(DataConfig(crop_size=32))
+    torch.manual_seed(7)
+    first = [transform(image, mask)[0] for _ in range(4)]
+    torch.manual_seed(7)
+    second = [transform(image, mask)[0] for _ in range(4)]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(first[0], other) for other in first[1:])
+
+
+def test_hflip_flips_image_and_mask_together():
+    image = np.zeros((8, 8, 3), dtype=np.uint8)
+    image[:, :4] = 255
+    mask = np.zeros((8, 8), dtype=np.uint8)
+    mask[:, :4] = 1
+    transform = PairTransform(build_train_augmentation(8, (1.0, 1.0), hflip=True), random=True)
+    torch.manual_seed(0)
+    seen_flipped = False
+    for _ in range(20):
+        out_image, out_mask = _run(transform, image, mask)
+        assert ((out_image[0] == 255) == (out_mask == 1)).all()
+        seen_flipped |= bool(out_mask[0, -1] == 1)
+    assert seen_flipped
+
+
+def test_eval_pipeline_full_image_and_base_size():
+    image = np.random.default_rng(0).integers(0, 256, (30, 50, 3), dtype=np.uint8)
+    mask = np.random.default_rng(1).integers(0, 4, (30, 50), dtype=np.uint8)
+    out_image, out_mask = build_eval_transform(DataConfig(base_size=0))(image, mask)
+    assert np.array_equal(out_image.permute(1, 2, 0).numpy(), image)
+    assert np.array_equal(out_mask.numpy(), mask)
+    out_image, out_mask = build_eval_transform(DataConfig(base_size=25))(image, mask)
+    assert out_image.shape == (3, 15, 25) and out_mask.shape == (15, 25)
+    assert set(out_mask.unique().tolist()) <= set(range(4))
+    assert build_eval_augmentation(0) is None
+    with pytest.raises(ValueError, match="base_size"):
+        build_eval_augmentation(-1)
+
+
+class _SameImage(Dataset):
+    def __init__(self):
+        self.transform = build_train_transform(DataConfig(crop_size=24, scale_range=(0.5, 2.0)))
+        self.image = np.random.default_rng(3).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+        self.mask = np.zeros((40, 40), dtype=np.uint8)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return self.transform(self.image, self.mask)
+
+
+def test_two_workers_produce_different_augmentations():
+    generator = torch.Generator().manual_seed(0)
+    loader = DataLoader(_SameImage(), batch_size=1, num_workers=2, worker_init_fn=data.seed_worker,
+                        generator=generator)
+    batches = [images[0] for images, _ in loader]
+    # with 2 workers, consecutive batches alternate workers: worker 0 -> 0, 2, 4; worker 1 -> 1, 3, 5
+    worker0, worker1 = batches[0::2], batches[1::2]
+    assert all(not torch.equal(a, b) for a, b in zip(worker0, worker1))
+    # and the whole epoch is reproducible from the loader's generator
+    again = [images[0] for images, _ in DataLoader(_SameImage(), batch_size=1, num_workers=2,
+                                                   worker_init_fn=data.seed_worker,
+                                                   generator=torch.Generator().manual_seed(0))]
+    assert all(torch.equal(a, b) for a, b in zip(batches, again))
