@@ -1,0 +1,121 @@
+"""Checkpoints: the only place that calls torch.save / torch.load.
+
+A checkpoint is a dict of primitives and tensors (DESIGN.md): `format_version`, `model` (unwrapped
+state dict), `config` (engine.config.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
+`optimizer`, `scheduler`, `scaler`, `rng`. It loads with `weights_only=True`, so no pickled classes.
+Files are written atomically: a temporary file in the same folder, fsync, then os.replace, so an
+existing checkpoint is either the old one or the new one, never half-written.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+# What eval.py / predict.py / fine-tuning need; a training resume also needs optimizer etc. and
+# asks for them with `required_keys=`.
+REQUIRED_KEYS = ("format_version", "model", "config", "classes")
+RESUME_KEYS = REQUIRED_KEYS + ("iteration", "epoch", "best_miou", "optimizer", "scheduler", "scaler", "rng")
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.Size, torch.dtype, torch.device)
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Raise ValueError if `value` holds anything `torch.load(weights_only=True)` would refuse."""
+    if isinstance(value, _PLAIN_TYPES):
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise ValueError(f"checkpoint payload: key {key!r} at {where} must be a str or int")
+            _check_plain(item, f"{where}.{key}")
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+        return
+    raise ValueError(
+        f"checkpoint payload: {where} is a {type(value).__module__}.{type(value).__qualname__}; only "
+        "primitives, tensors, lists, tuples and dicts load with weights_only=True (convert it first, "
+        "e.g. numpy arrays with torch.from_numpy, dataclasses with engine.config.to_dict)"
+    )
+
+
+def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
+    """Write `payload` to `path` atomically (temporary file in the same folder, fsync, os.replace).
+
+    Creates the parent folder. Raises ValueError, before writing anything, when the payload holds an
+    object that would not load with weights_only=True.
+    """
+    path = Path(path)
+    _check_plain(dict(payload), "payload")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            torch.save(dict(payload), file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable; not possible on every platform / filesystem
+        directory = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory)
+    except OSError:
+        pass
+    finally:
+        os.close(directory)
+
+
+def load_checkpoint(path: str | Path, *, required_keys: Iterable[str] = REQUIRED_KEYS) -> dict[str, Any]:
+    """Load a checkpoint on the CPU with weights_only=True and check its format.
+
+    Raises FileNotFoundError when `path` does not exist, ValueError naming the file when it is not a
+    readable checkpoint, lacks one of `required_keys`, or has a newer `format_version` than this code.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint '{path}' not found (expected a .pt file written by train.py)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickle, zip and torch errors all mean the same thing here
+        raise ValueError(
+            f"checkpoint '{path}' could not be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "it is truncated, corrupt, or not a syncseg checkpoint"
+        ) from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"checkpoint '{path}' holds a {type(payload).__name__}, expected a dict with keys "
+                         f"{', '.join(REQUIRED_KEYS)}")
+    missing = [key for key in required_keys if key not in payload]
+    if missing:
+        raise ValueError(f"checkpoint '{path}' lacks required key(s) {', '.join(missing)} "
+                         f"(has: {', '.join(map(str, payload))})")
+    version = payload.get("format_version")
+    if version is not None and (not isinstance(version, int) or version > FORMAT_VERSION):
+        raise ValueError(f"checkpoint '{path}' has format_version={version!r}; this code reads versions "
+                         f"<= {FORMAT_VERSION} (update syncseg)")
+    return payload
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DataParallel / DistributedDataParallel wrappers (nested ones too)."""
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return model

@@ -1,0 +1,120 @@
+"""engine.checkpoint: atomic save, checked load, unwrap."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import nn
+
+from engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint, unwrap_model
+from engine.config import Config, from_dict, to_dict
+
+
+def _payload(model: nn.Module) -> dict:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    return {
+        "format_version": FORMAT_VERSION,
+        "model": model.state_dict(),
+        "config": to_dict(Config()),
+        "classes": ["background", "thing"],
+        "iteration": 7,
+        "epoch": 1,
+        "best_miou": 0.25,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": {"last_epoch": 7},
+        "scaler": {},
+        "rng": {"torch": torch.get_rng_state()},
+    }
+
+
+def test_roundtrip_loads_with_weights_only(tmp_path):
+    model = nn.Linear(3, 2)
+    payload = _payload(model)
+    path = tmp_path / "sub" / "last.pt"
+    save_checkpoint(path, payload)
+    raw = torch.load(path, map_location="cpu", weights_only=True)  # the DESIGN contract, independently
+    loaded = load_checkpoint(path)
+    for result in (raw, loaded):
+        assert set(result) == set(payload)
+        for key, value in payload["model"].items():
+            assert torch.equal(result["model"][key], value)
+        assert from_dict(result["config"]) == Config()
+        assert torch.equal(result["rng"]["torch"], payload["rng"]["torch"])
+        assert result["optimizer"]["state"].keys() == payload["optimizer"]["state"].keys()
+    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]  # no temporary left behind
+
+
+def test_failed_save_keeps_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "best.pt"
+    save_checkpoint(path, {"format_version": 1, "model": {"w": torch.ones(3)}, "config": {}, "classes": []})
+    before = path.read_bytes()
+
+    def broken_save(obj, file, *args, **kwargs):
+        file.write(b"partial garbage")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, {"format_version": 1, "model": {"w": torch.zeros(3)}, "config": {}, "classes": []})
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(3))
+
+
+def test_missing_file_names_path(tmp_path):
+    path = tmp_path / "nope.pt"
+    with pytest.raises(FileNotFoundError, match="nope.pt"):
+        load_checkpoint(path)
+
+
+def test_truncated_file_is_value_error(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, _payload(nn.Linear(3, 2)))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="last.pt"):
+        load_checkpoint(path)
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="last.pt"):
+        load_checkpoint(path)
+
+
+def test_missing_keys_and_newer_version(tmp_path):
+    path = tmp_path / "x.pt"
+    torch.save({"format_version": 1, "model": {}}, path)
+    with pytest.raises(ValueError, match="config, classes"):
+        load_checkpoint(path)
+    assert load_checkpoint(path, required_keys=("model",))["model"] == {}
+    torch.save({"format_version": FORMAT_VERSION + 1, "model": {}, "config": {}, "classes": []}, path)
+    with pytest.raises(ValueError, match="format_version"):
+        load_checkpoint(path)
+    torch.save([1, 2], path)
+    with pytest.raises(ValueError, match="x.pt"):
+        load_checkpoint(path)
+
+
+def test_unloadable_payload_rejected_before_writing(tmp_path):
+    class Opaque:
+        pass
+
+    path = tmp_path / "bad.pt"
+    with pytest.raises(ValueError, match=r"payload.rng.numpy"):
+        save_checkpoint(path, {"format_version": 1, "rng": {"numpy": Opaque()}})
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_unwrap_model_strips_wrappers(tmp_path):
+    inner = nn.Linear(2, 2)
+    assert unwrap_model(inner) is inner
+    assert unwrap_model(nn.DataParallel(nn.DataParallel(inner))) is inner
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(inner)
+        assert unwrap_model(ddp) is inner
+        assert list(unwrap_model(ddp).state_dict()) == ["weight", "bias"]
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,126 @@
+"""engine.evaluate: the shared evaluation loop, single process and sharded over gloo processes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import Dataset
+
+from engine.config import EvalConfig
+from engine.evaluate import ShardSampler, build_eval_loader, evaluate
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+NUM_CLASSES = 4
+
+
+class TinySeg(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, NUM_CLASSES, 3, padding=1)
+        self.bn = nn.BatchNorm2d(NUM_CLASSES)
+
+    def forward(self, x):
+        return {"out": self.bn(self.conv(x))}
+
+
+class MemoryDataset(Dataset):
+    def __init__(self, count: int, size=(12, 14)):
+        generator = torch.Generator().manual_seed(3)
+        self.images = torch.randint(0, 256, (count, 3, *size), dtype=torch.uint8, generator=generator)
+        self.masks = torch.randint(0, NUM_CLASSES, (count, *size), generator=generator)
+        self.masks[:, :2] = 255
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        return self.images[index], self.masks[index]
+
+
+def _reference_metrics(model, dataset):
+    """Independent path: float64 normalization, plain forward, torchmetrics."""
+    from torchmetrics.classification import MulticlassJaccardIndex
+
+    model64 = TinySeg().double().eval()
+    model64.load_state_dict(model.state_dict())
+    mean = torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1)
+    std = torch.tensor(STD, dtype=torch.float64).view(1, 3, 1, 1)
+    inputs = (dataset.images.double() / 255 - mean) / std
+    with torch.no_grad():
+        pred = model64(inputs)["out"].argmax(1)
+    jaccard = MulticlassJaccardIndex(NUM_CLASSES, average="macro", ignore_index=255)
+    return jaccard(pred, dataset.masks).item(), pred
+
+
+def test_evaluate_matches_independent_reference_and_restores_mode():
+    model = TinySeg()
+    model.bn.running_mean.uniform_(-0.2, 0.2)
+    model.train()
+    dataset = MemoryDataset(5)
+    seen = []
+    results = evaluate(model, build_eval_loader(dataset, batch_size=2), num_classes=NUM_CLASSES, device="cpu",
+                       mean=MEAN, std=STD, eval_cfg=EvalConfig(), classes=("a", "b", "c", "d"), progress=False,
+                       on_batch=lambda index, pred, masks: seen.append((index, pred, masks)))
+    assert model.training  # restored for the training loop
+    reference_miou, reference_pred = _reference_metrics(model, dataset)
+    assert results["miou"] == pytest.approx(reference_miou, abs=1e-6)
+    assert results["num_images"] == 5 and results["classes"] == ["a", "b", "c", "d"]
+    assert [index for index, _, _ in seen] == [0, 1, 2]
+    assert torch.equal(torch.cat([pred for _, pred, _ in seen]), reference_pred)
+    json.dumps(results)  # plain types only
+
+
+def test_evaluate_uses_eval_config_modes():
+    model = TinySeg().eval()
+    dataset = MemoryDataset(3, size=(20, 24))
+    loader = build_eval_loader(dataset)
+    kwargs = dict(num_classes=NUM_CLASSES, device="cpu", mean=MEAN, std=STD, progress=False)
+    whole = evaluate(model, loader, eval_cfg=EvalConfig(), **kwargs)
+    big_window = evaluate(model, loader, eval_cfg=EvalConfig(mode="slide", crop_size=64, stride=32), **kwargs)
+    assert big_window["iou"] == whole["iou"]
+    slide = evaluate(model, loader, eval_cfg=EvalConfig(mode="slide", crop_size=10, stride=6), **kwargs)
+    assert slide["num_images"] == 3 and slide["num_pixels"] == whole["num_pixels"]
+
+
+@pytest.mark.parametrize("count,world", [(5, 2), (7, 3), (2, 4)])
+def test_shard_sampler_is_a_disjoint_cover_without_padding(count, world):
+    shards = [list(ShardSampler(count, rank=r, world_size=world)) for r in range(world)]
+    assert sorted(i for shard in shards for i in shard) == list(range(count))
+    assert [len(ShardSampler(count, rank=r, world_size=world)) for r in range(world)] == [len(s) for s in shards]
+    with pytest.raises(ValueError):
+        ShardSampler(count, rank=world, world_size=world)
+
+
+def _ddp_worker(rank, world_size, init_file, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model = TinySeg()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        dataset = MemoryDataset(5)
+        results = evaluate(ddp, build_eval_loader(dataset), num_classes=NUM_CLASSES, device="cpu", mean=MEAN,
+                           std=STD, eval_cfg=EvalConfig(), progress=False)
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_evaluation_equals_single_process(tmp_path):
+    """5 images over 2 gloo processes (3 + 2): identical metrics, each image counted once."""
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), tmp_path), nprocs=2, join=True)
+    single = evaluate(TinySeg(), build_eval_loader(MemoryDataset(5)), num_classes=NUM_CLASSES, device="cpu",
+                      mean=MEAN, std=STD, eval_cfg=EvalConfig(), progress=False)
+    for rank in range(2):
+        sharded = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sharded["num_images"] == 5
+        assert sharded["num_pixels"] == single["num_pixels"]
+        assert sharded["iou"] == pytest.approx(single["iou"], abs=1e-12)
+        assert sharded["miou"] == pytest.approx(single["miou"], abs=1e-12)

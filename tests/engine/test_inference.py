@@ -1,0 +1,134 @@
+"""engine.inference.predict: whole / sliding window / multi-scale / flip."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.inference import predict, window_starts
+
+
+class ConvNet(nn.Module):
+    """A tiny segmentation stand-in: 3x3 conv -> ReLU -> 1x1 conv, logits at half resolution, then
+    upsampled; returns {"out": ...} like the real models."""
+
+    def __init__(self, num_classes: int = 4, *, symmetric: bool = False, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.features = nn.Conv2d(3, 8, 3, padding=1, stride=2)
+        self.classifier = nn.Conv2d(8, num_classes, 1)
+        if symmetric:  # kernels equal to their mirror image -> the model commutes with hflip
+            with torch.no_grad():
+                self.features.weight.copy_((self.features.weight + self.features.weight.flip(-1)) / 2)
+
+    def forward(self, x):
+        logits = self.classifier(torch.relu(self.features(x)))
+        return {"out": F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)}
+
+
+class PixelNet(nn.Module):
+    """Per-pixel model (1x1 convs): its logits at a pixel do not depend on the window around it."""
+
+    def __init__(self, num_classes: int = 3):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = nn.Sequential(nn.Conv2d(3, 6, 1), nn.ReLU(), nn.Conv2d(6, num_classes, 1))
+
+    def forward(self, x):
+        return {"out": self.body(x)}
+
+
+def _images(n=2, h=21, w=30, seed=0):
+    return torch.randn(n, 3, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def test_whole_is_the_model_output():
+    model = ConvNet().eval()
+    images = _images()
+    assert torch.equal(predict(model, images, num_classes=4), model(images)["out"])
+
+
+def test_slide_with_window_larger_than_image_equals_whole():
+    model = ConvNet().eval()
+    images = _images()
+    whole = predict(model, images, num_classes=4, mode="whole")
+    assert torch.equal(predict(model, images, num_classes=4, mode="slide", crop_size=64, stride=40), whole)
+    assert torch.equal(predict(model, images, num_classes=4, mode="slide", crop_size=30, stride=7), whole)
+
+
+def test_slide_of_a_per_pixel_model_equals_whole():
+    model = PixelNet().eval()
+    images = _images(h=37, w=50)
+    whole = predict(model, images, num_classes=3)
+    slide = predict(model, images, num_classes=3, mode="slide", crop_size=16, stride=11)
+    torch.testing.assert_close(slide, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_slide_averages_overlapping_windows_like_a_float64_reference():
+    model = ConvNet().eval()
+    images = _images(n=1, h=26, w=35)
+    crop, stride = 16, 10
+    got = predict(model, images, num_classes=4, mode="slide", crop_size=crop, stride=stride)
+    model64 = ConvNet().double().eval()
+    total = torch.zeros(1, 4, 26, 35, dtype=torch.float64)
+    count = torch.zeros(26, 35, dtype=torch.float64)
+    tops = sorted({min(t, 26 - crop) for t in range(0, 26, stride) if t == 0 or t + crop - stride < 26})
+    lefts = sorted({min(l, 35 - crop) for l in range(0, 35, stride) if l == 0 or l + crop - stride < 35})
+    for top in tops:
+        for left in lefts:
+            window = images.double()[:, :, top:top + crop, left:left + crop]
+            total[:, :, top:top + crop, left:left + crop] += model64(window)["out"]
+            count[top:top + crop, left:left + crop] += 1
+    assert (count > 0).all()
+    torch.testing.assert_close(got.double(), total / count, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length,crop,stride", [(10, 4, 3), (100, 33, 21), (513, 513, 341), (20, 7, 7), (8, 3, 1)])
+def test_window_starts_cover_every_pixel_inside_the_image(length, crop, stride):
+    starts = window_starts(length, crop, stride)
+    covered = set()
+    for start in starts:
+        assert 0 <= start and start + min(crop, length) <= length
+        covered.update(range(start, start + min(crop, length)))
+    assert covered == set(range(length))
+    assert all(b - a <= stride for a, b in zip(starts, starts[1:]))
+
+
+def test_flip_on_flip_equivariant_model_equals_no_flip():
+    model = ConvNet(symmetric=True).eval()
+    images = _images(w=33)  # odd width: the stride-2 sampling grid is symmetric too
+    plain = predict(model, images, num_classes=4)
+    torch.testing.assert_close(model(images.flip(-1))["out"].flip(-1), plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(predict(model, images, num_classes=4, flip=True), plain, rtol=1e-5, atol=1e-6)
+    asymmetric = ConvNet().eval()
+    assert not torch.allclose(predict(asymmetric, images, num_classes=4, flip=True),
+                              predict(asymmetric, images, num_classes=4), atol=1e-4)
+
+
+def test_scale_one_is_plain_inference_and_scales_average_resized_logits():
+    model = ConvNet().eval()
+    images = _images(h=24, w=28)
+    plain = predict(model, images, num_classes=4)
+    assert torch.equal(predict(model, images, num_classes=4, scales=(1.0,)), plain)
+    expected = plain.clone()
+    for scale in (0.5, 1.5):
+        size = (round(24 * scale), round(28 * scale))
+        resized = F.interpolate(images, size=size, mode="bilinear", align_corners=False)
+        expected += F.interpolate(model(resized)["out"], size=(24, 28), mode="bilinear", align_corners=False)
+    torch.testing.assert_close(predict(model, images, num_classes=4, scales=(0.5, 1.0, 1.5)), expected / 3)
+
+
+def test_errors():
+    model = ConvNet().eval()
+    images = _images()
+    with pytest.raises(ValueError, match="num_classes=5"):
+        predict(model, images, num_classes=5)
+    with pytest.raises(ValueError, match="mode"):
+        predict(model, images, num_classes=4, mode="tiles")
+    with pytest.raises(ValueError, match="normalize_batch"):
+        predict(model, images.to(torch.uint8), num_classes=4)
+    with pytest.raises(ValueError, match="scales"):
+        predict(model, images, num_classes=4, scales=(0.0,))
+    with pytest.raises(ValueError, match="stride"):
+        predict(model, images, num_classes=4, mode="slide", crop_size=8, stride=9)
