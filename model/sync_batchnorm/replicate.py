@@ -1,0 +1,122 @@
+"""DataParallel with a replication callback, which synchronized layers use to find each other.
+
+After `DataParallel.replicate` makes the per-device copies, `execute_replication_callbacks` calls
+`module.__data_parallel_replicate__(ctx, copy_id)` on every sub-module that defines it; copies of the
+same sub-module share one `CallbackContext`, copy 0 first. Replicas may also be made some other way
+(e.g. `copy.deepcopy` on CPU in tests): only the callback protocol matters.
+
+`DataParallelWithCallback` also guards `parallel_apply`: a replica whose forward raises aborts the
+synchronization rounds of every synchronized layer, so the other replicas raise instead of waiting.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel
+from torch.nn.parallel.parallel_apply import parallel_apply
+
+__all__ = [
+    "CallbackContext",
+    "execute_replication_callbacks",
+    "DataParallelWithCallback",
+    "patch_replication_callback",
+    "abort_synchronization",
+    "AbortingReplica",
+]
+
+
+class CallbackContext:
+    """Shared by the copies of one sub-module during one replication (attributes set freely)."""
+
+
+def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
+    """Run `__data_parallel_replicate__(ctx, copy_id)` on each sub-module of each replica.
+
+    `modules[0]` is the master copy. All replicas must have the same module structure.
+    """
+    master_copy = modules[0]
+    contexts = [CallbackContext() for _ in master_copy.modules()]
+    for copy_id, replica in enumerate(modules):
+        sub_modules = list(replica.modules())
+        if len(sub_modules) != len(contexts):
+            raise ValueError(
+                f"replica {copy_id} has {len(sub_modules)} sub-modules but the master copy has "
+                f"{len(contexts)}: replicas must share one structure"
+            )
+        for context, sub_module in zip(contexts, sub_modules):
+            callback = getattr(sub_module, "__data_parallel_replicate__", None)
+            if callback is not None:
+                callback(context, copy_id)
+
+
+def abort_synchronization(master_copy: nn.Module, cause: BaseException) -> None:
+    """Abort the current round of every synchronized layer of `master_copy` (copy 0)."""
+    for sub_module in master_copy.modules():
+        master = getattr(sub_module, "_sync_master", None)
+        if master is not None:
+            master.abort(cause)
+
+
+class AbortingReplica:
+    """Callable wrapper around a replica: if its forward raises, abort every sync round first."""
+
+    def __init__(self, replica: nn.Module, master_copy: nn.Module) -> None:
+        self.replica = replica
+        self.master_copy = master_copy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.replica(*args, **kwargs)
+        except BaseException as error:
+            abort_synchronization(self.master_copy, error)
+            raise
+
+
+def _guarded_parallel_apply(replicas: Sequence[nn.Module], inputs, kwargs, device_ids) -> list:
+    guarded = [AbortingReplica(replica, replicas[0]) for replica in replicas]
+    return parallel_apply(guarded, inputs, kwargs, device_ids)
+
+
+class DataParallelWithCallback(DataParallel):
+    """`nn.DataParallel` that runs the replication callbacks after every `replicate`.
+
+    Use it exactly like DataParallel; synchronized BatchNorm layers inside then reduce their
+    statistics over all replicas.
+    """
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[int]) -> list[nn.Module]:
+        modules = super().replicate(module, device_ids)
+        execute_replication_callbacks(modules)
+        return modules
+
+    def parallel_apply(self, replicas, inputs, kwargs) -> list:
+        return _guarded_parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+
+
+def patch_replication_callback(data_parallel: DataParallel) -> None:
+    """Give an existing `nn.DataParallel` instance the behaviour of DataParallelWithCallback.
+
+    ```
+    model = nn.DataParallel(model, device_ids=[0, 1])
+    patch_replication_callback(model)
+    ```
+    """
+    if not isinstance(data_parallel, DataParallel):
+        raise ValueError(f"patch_replication_callback expects an nn.DataParallel, got {type(data_parallel).__name__}")
+    original_replicate = data_parallel.replicate
+
+    @functools.wraps(original_replicate)
+    def replicate_with_callbacks(module, device_ids):
+        modules = original_replicate(module, device_ids)
+        execute_replication_callbacks(modules)
+        return modules
+
+    def guarded_parallel_apply(replicas, inputs, kwargs):
+        return _guarded_parallel_apply(replicas, inputs, kwargs, data_parallel.device_ids[: len(replicas)])
+
+    data_parallel.replicate = replicate_with_callbacks
+    data_parallel.parallel_apply = guarded_parallel_apply
+
