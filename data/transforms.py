@@ -133,8 +133,11 @@ def to_tensors(image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch
     """HxWx3 uint8 -> 3xHxW uint8 tensor (a strided view; collation makes it contiguous), mask -> int64."""
     if image.dtype != np.uint8:
         raise ValueError(f"expected a uint8 image, got {image.dtype}")
-    image_tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
-    mask_tensor = torch.from_numpy(np.ascontiguousarray(mask)).to(torch.int64)
+    image = np.ascontiguousarray(image)  # copies only for negative/odd strides
+    if not image.flags.writeable:
+        image = image.copy()
+    image_tensor = torch.from_numpy(image).permute(2, 0, 1)
+    mask_tensor = torch.from_numpy(np.asarray(mask).astype(np.int64))
     return image_tensor, mask_tensor
 
 
