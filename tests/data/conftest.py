@@ -61,6 +61,7 @@ def make_cityscapes_tree(root: Path, *, split_cities=None) -> dict:
                 image = np.concatenate([image, image[:, ::-1]], axis=1)
                 write_rgb(root / "leftImg8bit" / split / city / f"{stem}_leftImg8bit.png", image)
                 path = root / "gtFine" / split / city / f"{stem}_gtFine_labelIds.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
                 Image.fromarray(label_ids, mode="L").save(path)
                 masks[f"{stem}_leftImg8bit"] = label_ids
                 number += 1
