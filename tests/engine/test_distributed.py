@@ -1,0 +1,98 @@
+"""Device selection: --gpus parsing and errors, CPU fallback, torchrun environment handling."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import distributed
+from engine.distributed import DistInfo, parse_gpus, setup_distributed
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _fake_cuda(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize("text,expected", [("0", (0,)), ("0,1,3", (0, 1, 3)), (" 2 , 1 ", (2, 1))])
+def test_parse_gpus(text, expected):
+    assert parse_gpus(text) == expected
+
+
+@pytest.mark.parametrize("text,fragment", [("a,b", "'a' is not a GPU id"), ("", "expected"), ("1,1", "twice"),
+                                           ("-1", "'-1' is not a GPU id")])
+def test_parse_gpus_rejects(text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        parse_gpus(text)
+
+
+def test_no_gpus_without_cuda_is_cpu(monkeypatch):
+    _fake_cuda(monkeypatch, 0)
+    info = setup_distributed(None)
+    assert info == DistInfo() and info.device == torch.device("cpu") and info.mode == "cpu" and info.is_main
+
+
+def test_explicit_cpu_even_with_cuda(monkeypatch):
+    _fake_cuda(monkeypatch, 2)
+    assert setup_distributed("cpu").mode == "cpu"
+
+
+def test_gpus_without_cuda_is_an_error(monkeypatch):
+    _fake_cuda(monkeypatch, 0)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        setup_distributed("0")
+
+
+def test_missing_gpu_id_is_named(monkeypatch):
+    _fake_cuda(monkeypatch, 2)
+    with pytest.raises(ValueError, match=r"GPU id\(s\) 5 do not exist.*2 GPU\(s\)"):
+        setup_distributed("0,5")
+
+
+def test_gpus_select_data_parallel(monkeypatch):
+    _fake_cuda(monkeypatch, 4)
+    info = setup_distributed("2,3")
+    assert info.mode == "dp" and info.device_ids == (2, 3) and info.device == torch.device("cuda", 2)
+    assert info.num_replicas == 2
+
+
+def test_default_with_cuda_is_gpu0(monkeypatch):
+    _fake_cuda(monkeypatch, 1)
+    info = setup_distributed(None)
+    assert info.mode == "dp" and info.device_ids == (0,)
+
+
+def test_torchrun_with_gpus_is_an_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="cannot be combined with torchrun"):
+        setup_distributed("0,1")
+
+
+def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
+    """WORLD_SIZE>1 goes the DDP way; the process-group call is intercepted (a real 2-process run is in
+    tests/test_train_ddp.py)."""
+    _fake_cuda(monkeypatch, 0)
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: calls.append(kw))
+    info = setup_distributed(None)
+    assert calls == [{"backend": "gloo", "rank": 1, "world_size": 2}]
+    assert info.mode == "ddp" and info.rank == 1 and info.world_size == 2 and not info.is_main
+    assert info.device == torch.device("cpu") and info.num_replicas == 2
+
+
+def test_helpers_outside_distributed():
+    assert distributed.get_rank() == 0 and distributed.get_world_size() == 1 and distributed.is_main_process()
+    distributed.barrier()
+    tensor = torch.ones(2)
+    assert torch.equal(distributed.all_reduce_sum(tensor), torch.ones(2))
+    assert distributed.broadcast_object({"a": 1}) == {"a": 1}
+    distributed.cleanup()
