@@ -18,10 +18,85 @@ import albumentations as A
 import cv2
 import numpy as np
 import torch
+from albumentations.core.transforms_interface import DualTransform
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = 255
+
+
+class RandomScaleCrop(DualTransform):
+    """Random rescale by s ~ U(scale_range), pad to `crop_size` (bottom/right), random `crop_size` crop.
+
+    The result equals RandomScale -> PadIfNeeded(top_left) -> RandomCrop up to sub-pixel rounding,
+    but only the source pixels that land in the crop are resized: at scale 2 on a 500x375 image that
+    is a quarter of the work. Padding is `fill` in the image and `fill_mask` (ignore) in the mask.
+    Image and mask share the exact same geometry (linear vs nearest interpolation).
+    """
+
+    class InitSchema(DualTransform.InitSchema):
+        crop_size: int
+        scale_range: tuple[float, float]
+        fill: float
+        fill_mask: float
+
+    def __init__(
+        self,
+        crop_size: int,
+        scale_range: tuple[float, float] = (0.5, 2.0),
+        fill: float = 0.0,
+        fill_mask: float = IGNORE_INDEX,
+        p: float = 1.0,
+    ) -> None:
+        super().__init__(p=p)
+        if crop_size <= 0:
+            raise ValueError(f"crop_size={crop_size} must be > 0")
+        if not 0 < scale_range[0] <= scale_range[1]:
+            raise ValueError(f"scale_range={scale_range} must satisfy 0 < low <= high")
+        self.crop_size = crop_size
+        self.scale_range = (float(scale_range[0]), float(scale_range[1]))
+        self.fill = fill
+        self.fill_mask = fill_mask
+
+    def get_params_dependent_on_data(self, params: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+        height, width = params["shape"][:2]
+        scale = self.py_random.uniform(*self.scale_range)
+        scaled_height, scaled_width = max(1, round(height * scale)), max(1, round(width * scale))
+        top = self.py_random.randint(0, max(scaled_height, self.crop_size) - self.crop_size)
+        left = self.py_random.randint(0, max(scaled_width, self.crop_size) - self.crop_size)
+        return {"scale": scale, "top": top, "left": left, "scaled_shape": (scaled_height, scaled_width)}
+
+    def _apply(self, array: np.ndarray, scale: float, top: int, left: int, scaled_shape: tuple[int, int],
+               interpolation: int, fill: float) -> np.ndarray:
+        height, width = array.shape[:2]
+        crop = self.crop_size
+        visible_h = min(crop, scaled_shape[0] - top)
+        visible_w = min(crop, scaled_shape[1] - left)
+        # source window (plus one pixel of context) that covers the visible part of the crop
+        src_top, src_left = int(top / scale), int(left / scale)
+        src_bottom = min(height, int(np.ceil((top + visible_h) / scale)) + 1)
+        src_right = min(width, int(np.ceil((left + visible_w) / scale)) + 1)
+        window = np.ascontiguousarray(array[src_top:src_bottom, src_left:src_right])
+        resized = cv2.resize(window, (0, 0), fx=scale, fy=scale, interpolation=interpolation)
+        offset_y, offset_x = top - round(src_top * scale), left - round(src_left * scale)
+        piece = resized[offset_y:offset_y + visible_h, offset_x:offset_x + visible_w]
+        out = np.full((crop, crop) + array.shape[2:], fill, dtype=array.dtype)
+        out[: piece.shape[0], : piece.shape[1]] = piece
+        if piece.shape[:2] != (visible_h, visible_w):  # rounding left a sliver: repeat the edge
+            out[piece.shape[0]:visible_h, : piece.shape[1]] = out[max(piece.shape[0] - 1, 0), : piece.shape[1]]
+            out[:visible_h, piece.shape[1]:visible_w] = out[:visible_h, max(piece.shape[1] - 1, 0), None]
+        return out
+
+    def apply(self, img: np.ndarray, **params: Any) -> np.ndarray:
+        return self._apply(img, params["scale"], params["top"], params["left"], params["scaled_shape"],
+                           cv2.INTER_LINEAR, self.fill)
+
+    def apply_to_mask(self, mask: np.ndarray, **params: Any) -> np.ndarray:
+        return self._apply(mask, params["scale"], params["top"], params["left"], params["scaled_shape"],
+                           cv2.INTER_NEAREST, self.fill_mask)
+
+    def get_transform_init_args_names(self) -> tuple[str, ...]:
+        return ("crop_size", "scale_range", "fill", "fill_mask")
 
 
 def build_train_augmentation(
@@ -34,7 +109,7 @@ def build_train_augmentation(
 ) -> A.Compose:
     """Random scale -> pad to `crop_size` (image 0, mask `ignore_index`) -> random crop -> flip.
 
-    Geometric ops use cv2 interpolation (linear for the image, nearest for the mask). Optional
+    The first three steps are one RandomScaleCrop (resizes only what lands in the crop). Geometric ops use cv2 interpolation (linear for the image, nearest for the mask). Optional
     photometric jitter and blur touch the image only. Output arrays stay uint8.
     """
     low, high = float(scale_range[0]), float(scale_range[1])
@@ -42,27 +117,7 @@ def build_train_augmentation(
         raise ValueError(f"scale_range={scale_range} must satisfy 0 < low <= high")
     if crop_size <= 0:
         raise ValueError(f"crop_size={crop_size} must be > 0")
-    steps: list[Any] = []
-    if (low, high) != (1.0, 1.0):
-        steps.append(
-            A.RandomScale(
-                scale_limit=(low - 1.0, high - 1.0),
-                interpolation=cv2.INTER_LINEAR,
-                mask_interpolation=cv2.INTER_NEAREST,
-                p=1.0,
-            )
-        )
-    steps += [
-        A.PadIfNeeded(
-            min_height=crop_size,
-            min_width=crop_size,
-            position="top_left",
-            border_mode=cv2.BORDER_CONSTANT,
-            fill=0,
-            fill_mask=ignore_index,
-        ),
-        A.RandomCrop(height=crop_size, width=crop_size),
-    ]
+    steps: list[Any] = [RandomScaleCrop(crop_size, (low, high), fill=0, fill_mask=ignore_index)]
     if hflip:
         steps.append(A.HorizontalFlip(p=0.5))
     if photometric:

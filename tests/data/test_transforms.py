@@ -1,3 +1,4 @@
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -145,3 +146,31 @@ def test_two_workers_produce_different_augmentations():
                                                    worker_init_fn=data.seed_worker,
                                                    generator=torch.Generator().manual_seed(0))]
     assert all(torch.equal(a, b) for a, b in zip(batches, again))
+
+
+@pytest.mark.parametrize("scale, top, left", [(1.0, 0, 0), (1.7, 100, 37), (0.6, 0, 0), (1.31, 3, 50), (2.0, 300, 600)])
+def test_random_scale_crop_matches_resize_pad_crop_reference(scale, top, left):
+    # Reference: resize the whole image, pad bottom/right (0 / 255), crop at (top, left).
+    from data.transforms import RandomScaleCrop
+
+    image, mask = (np.random.default_rng(5).integers(0, 256, (375, 500, 3), dtype=np.uint8),
+                   np.random.default_rng(6).integers(0, 21, (375, 500), dtype=np.uint8))
+    image = cv2.GaussianBlur(image, (0, 0), 4)  # smooth, so a sub-pixel shift changes little
+    mask = cv2.resize(mask[::25, ::25], (500, 375), interpolation=cv2.INTER_NEAREST)  # blocky labels
+    crop = 256
+    transform = RandomScaleCrop(crop, (0.5, 2.0))
+    scaled_shape = (round(375 * scale), round(500 * scale))
+    params = {"scale": scale, "top": top, "left": left, "scaled_shape": scaled_shape}
+    out_image, out_mask = transform.apply(image, **params), transform.apply_to_mask(mask, **params)
+
+    def reference(array, interpolation, fill):
+        resized = cv2.resize(array, (scaled_shape[1], scaled_shape[0]), interpolation=interpolation)
+        pad = ((0, max(0, crop - resized.shape[0])), (0, max(0, crop - resized.shape[1]))) + ((0, 0),) * (array.ndim - 2)
+        padded = np.pad(resized, pad, constant_values=fill)
+        return padded[top:top + crop, left:left + crop]
+
+    ref_image, ref_mask = reference(image, cv2.INTER_LINEAR, 0), reference(mask, cv2.INTER_NEAREST, 255)
+    assert out_image.shape == ref_image.shape and out_mask.shape == ref_mask.shape
+    assert np.array_equal(out_mask == 255, ref_mask == 255)  # the padded region is exactly the same
+    assert (out_mask == ref_mask).mean() > 0.97
+    assert np.abs(out_image.astype(int) - ref_image.astype(int)).mean() < 2.0

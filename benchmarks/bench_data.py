@@ -1,0 +1,134 @@
+"""Input-pipeline throughput: the full training pipeline vs decoding alone, same files, same process.
+
+Generates VOC-layout 500x375 JPEG + palette-PNG pairs (synthetic shapes) in a temporary folder, then
+times, interleaved over several rounds (one pass over all pairs per variant per round):
+  decode_only   cv2 JPEG decode (RGB) + PIL palette-PNG decode (indices)
+  train         VOCSegmentation with the training pipeline (scale 0.5-2.0, pad, 513 crop, flip) -> uint8 tensors
+  train_photo   the same plus photometric jitter / blur
+  pil_mask / cv2_mask    mask decoders alone (PIL keeps palette indices; cv2 needs an 'L' PNG)
+Reports median ms/image, images/s and the median of per-round ratios to decode_only.
+Target (issue 5): train <= 2.0x decode_only.
+
+    python benchmarks/bench_data.py [--images 32] [--rounds 7] [--crop 513] [--output PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data.base import palette_image, read_image, read_index_mask  # noqa: E402
+from data.synthetic import render_shapes  # noqa: E402
+from data.transforms import PairTransform, build_train_augmentation  # noqa: E402
+from data.voc import VOC_PALETTE, VOCSegmentation  # noqa: E402
+
+
+def make_pairs(root: Path, count: int) -> list[str]:
+    """VOC-layout tree of `count` 500x375 JPEG + palette-PNG (and 'L' PNG copies for cv2_mask)."""
+    for folder in ("JPEGImages", "SegmentationClass", "MasksL", "ImageSets/Segmentation"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    names = []
+    for index in range(count):
+        image, mask = render_shapes(np.random.default_rng(index), 500, num_classes=8)
+        image, mask = image[:375], (mask[:375] * 2).astype(np.uint8)
+        mask[:, :3] = 255
+        name = f"bench_{index:05d}"
+        cv2.imwrite(str(root / "JPEGImages" / f"{name}.jpg"), cv2.cvtColor(image, cv2.COLOR_RGB2BGR),
+                    [cv2.IMWRITE_JPEG_QUALITY, 90])
+        palette_image(mask, VOC_PALETTE).save(root / "SegmentationClass" / f"{name}.png")
+        Image.fromarray(mask, mode="L").save(root / "MasksL" / f"{name}.png")
+        names.append(name)
+    (root / "ImageSets" / "Segmentation" / "train.txt").write_text("\n".join(names) + "\n")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--crop", type=int, default=513)
+    parser.add_argument("--threads", type=int, default=1, help="cv2 / torch threads (a DataLoader worker uses 1)")
+    parser.add_argument("--output", default="benchmarks/results/bench_data.json")
+    args = parser.parse_args(argv)
+    cv2.setNumThreads(args.threads)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        names = make_pairs(root, args.images)
+        jpgs = [root / "JPEGImages" / f"{n}.jpg" for n in names]
+        pngs = [root / "SegmentationClass" / f"{n}.png" for n in names]
+        l_pngs = [root / "MasksL" / f"{n}.png" for n in names]
+        train = VOCSegmentation(root, "train", transform=PairTransform(
+            build_train_augmentation(args.crop, (0.5, 2.0), hflip=True), random=True))
+        photo = VOCSegmentation(root, "train", transform=PairTransform(
+            build_train_augmentation(args.crop, (0.5, 2.0), hflip=True, photometric=True), random=True))
+
+        def decode_only():
+            for jpg, png in zip(jpgs, pngs):
+                read_image(jpg)
+                read_index_mask(png)
+
+        variants = {
+            "decode_only": decode_only,
+            "train": lambda: [train[i] for i in range(len(train))],
+            "train_photo": lambda: [photo[i] for i in range(len(photo))],
+            "pil_mask": lambda: [read_index_mask(p) for p in pngs],
+            "cv2_mask": lambda: [cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in l_pngs],
+        }
+        for run in variants.values():  # warm-up: page cache, lazy imports
+            run()
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        order = list(variants)
+        shuffler = random.Random(0)
+        for _ in range(args.rounds):
+            shuffler.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                variants[name]()
+                times[name].append((time.perf_counter() - start) / len(names))
+
+    rows = []
+    for name, values in times.items():
+        ratios = [v / d for v, d in zip(values, times["decode_only"])]
+        rows.append({
+            "variant": name,
+            "ms_per_image": statistics.median(values) * 1e3,
+            "images_per_s": 1.0 / statistics.median(values),
+            "ratio_to_decode_only": statistics.median(ratios),
+        })
+    print(f"{args.images} pairs of 500x375 JPEG + palette PNG, crop {args.crop}, scale 0.5-2.0, "
+          f"{args.rounds} interleaved rounds, {args.threads} thread(s); medians")
+    print(f"{'variant':<13} {'ms/image':>9} {'images/s':>9} {'x decode':>9}")
+    for row in rows:
+        print(f"{row['variant']:<13} {row['ms_per_image']:>9.2f} {row['images_per_s']:>9.1f} "
+              f"{row['ratio_to_decode_only']:>9.2f}")
+    train_ratio = next(r["ratio_to_decode_only"] for r in rows if r["variant"] == "train")
+    print(f"train / decode_only = {train_ratio:.2f} (target <= 2.0): {'PASS' if train_ratio <= 2.0 else 'MISS'}")
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({
+        "rows": rows, "raw_seconds_per_image": times, "images": args.images, "rounds": args.rounds,
+        "crop": args.crop, "threads": args.threads, "python": platform.python_version(),
+        "torch": torch.__version__, "opencv": cv2.__version__, "machine": platform.machine(),
+    }, indent=2))
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
