@@ -44,9 +44,11 @@ class ASPPConv(nn.Sequential):
         )
 
 
-def _runs_alone(module: nn.Module) -> bool:
-    """True unless `module` is a DataParallel replica or torch.distributed runs more than one process."""
-    if getattr(module, "_is_replica", False):  # set by torch.nn.parallel.replicate on every replica
+def _runs_alone(module: nn.Module, norm: nn.Module) -> bool:
+    """False when `norm` may synchronize with other devices: `module` is a DataParallel replica (torch's
+    replicate sets `_is_replica`), `norm` took part in a replication callback (synchronized BatchNorm
+    sets `_is_parallel`, also for replicas made another way), or torch.distributed runs >1 process."""
+    if getattr(module, "_is_replica", False) or getattr(norm, "_is_parallel", False):
         return False
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
@@ -92,7 +94,7 @@ class ASPPPooling(nn.Sequential):
 def _uses_running_stats_fallback(norm: nn.Module, owner: nn.Module) -> bool:
     if not isinstance(norm, nn.modules.batchnorm._BatchNorm) or norm.running_mean is None:
         return False  # e.g. FrozenBatchNorm2d: already uses fixed statistics
-    return type(norm) is nn.BatchNorm2d or _runs_alone(owner)
+    return type(norm) is nn.BatchNorm2d or _runs_alone(owner, norm)
 
 
 class ASPP(nn.Module):
