@@ -1,0 +1,100 @@
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data.voc import VOCSegmentation
+from tests.data.conftest import make_voc_tree
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_sbd(sbd_root, ids):
+    from scipy.io import savemat
+
+    masks = {}
+    (sbd_root / "dataset" / "cls").mkdir(parents=True)
+    for number, image_id in enumerate(ids):
+        mask = ((np.arange(40 * 44).reshape(40, 44) // 97 + number) % 21).astype(np.uint8)
+        savemat(sbd_root / "dataset" / "cls" / f"{image_id}.mat",
+                {"GTcls": {"Segmentation": mask, "Boundaries": np.zeros(1), "CategoriesPresent": np.arange(3)}})
+        masks[image_id] = mask
+    return masks
+
+
+def test_prepare_voc_builds_train_aug(tmp_path):
+    prepare_voc = _load_script("prepare_voc")
+    voc = tmp_path / "VOC2012"
+    voc_masks = make_voc_tree(voc, train=("2007_000001", "2007_000002"), val=("2007_000010",),
+                              aug=("2008_000100", "2008_000200"))
+    # SBD covers one VOC train image, one VOC val image (must be excluded) and two SBD-only images
+    sbd_ids = ["2007_000001", "2007_000010", "2008_000100", "2008_000200"]
+    sbd_masks = _write_sbd(tmp_path / "benchmark_RELEASE", sbd_ids)
+    (tmp_path / "benchmark_RELEASE" / "dataset" / "train.txt").write_text("\n".join(sbd_ids[:2]) + "\n")
+    (tmp_path / "benchmark_RELEASE" / "dataset" / "val.txt").write_text("\n".join(sbd_ids[2:]) + "\n")
+    (voc / "ImageSets" / "Segmentation" / "train_aug.txt").unlink()
+    for stale in (voc / "SegmentationClassAug").iterdir():
+        stale.unlink()
+    # SBD images without a VOC annotation: make their sizes match the SBD masks
+    for image_id in ("2008_000100", "2008_000200"):
+        (voc / "SegmentationClass" / f"{image_id}.png").unlink()
+        Image.new("RGB", (44, 40), (10, 20, 30)).save(voc / "JPEGImages" / f"{image_id}.jpg")
+
+    assert prepare_voc.main(["--voc-root", str(voc), "--sbd-root", str(tmp_path / "benchmark_RELEASE"),
+                             "--workers", "1"]) == 0
+    ids = (voc / "ImageSets" / "Segmentation" / "train_aug.txt").read_text().split()
+    assert ids == ["2007_000001", "2007_000002", "2008_000100", "2008_000200"]  # VOC val excluded
+    dataset = VOCSegmentation(voc, "train_aug")
+    assert len(dataset) == 4
+    # a VOC-annotated image keeps the VOC mask (with its 255 boundary), SBD-only ones get SBD's
+    assert np.array_equal(dataset[0][1].numpy(), voc_masks["2007_000001"])
+    assert np.array_equal(dataset[2][1].numpy(), sbd_masks["2008_000100"])
+
+
+def test_prepare_voc_errors_name_the_folder(tmp_path, capsys):
+    prepare_voc = _load_script("prepare_voc")
+    make_voc_tree(tmp_path / "VOC2012")
+    assert prepare_voc.main(["--voc-root", str(tmp_path / "VOC2012"), "--sbd-root", str(tmp_path / "nope")]) == 1
+    assert "nope" in capsys.readouterr().err
+
+
+def _config(tmp_path, root):
+    path = tmp_path / "voc_test.yaml"
+    path.write_text(f"data:\n  dataset: voc\n  root: {root}\n  train_split: train\n  val_split: val\n")
+    return str(path)
+
+
+def test_verify_dataset_reports_counts_frequencies_and_bad_samples(tmp_path, voc_root, capsys):
+    verify = _load_script("verify_dataset")
+    root, masks = voc_root
+    output = tmp_path / "stats.json"
+    assert verify.main(["--config", _config(tmp_path, root), "--output", str(output)]) == 0
+    text = capsys.readouterr().out
+    assert "[voc train] 3 samples (INCOMPLETE: the full split has 1464)" in text
+    report = json.loads(output.read_text())
+    expected = np.zeros(21, dtype=np.int64)
+    for name in ("2007_000010", "2007_000011"):
+        expected += np.bincount(masks[name].ravel(), minlength=256)[:21]
+    assert report["splits"]["val"]["class_pixels"] == expected.tolist()
+    assert report["splits"]["val"]["ignore_pixels"] == sum(int((masks[n] == 255).sum())
+                                                           for n in ("2007_000010", "2007_000011"))
+
+    Image.fromarray(np.full((3, 3), 30, dtype=np.uint8), mode="L").save(root / "SegmentationClass" / "2007_000011.png")
+    assert verify.main(["--config", _config(tmp_path, root), "--splits", "val"]) == 1
+    assert "BAD:" in capsys.readouterr().out
+
+
+def test_verify_dataset_missing_root_exits_2(tmp_path, capsys):
+    verify = _load_script("verify_dataset")
+    assert verify.main(["--config", _config(tmp_path, tmp_path / "missing"), "--splits", "val"]) == 2
+    assert "missing" in capsys.readouterr().err
