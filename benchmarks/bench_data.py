@@ -6,6 +6,7 @@ times, interleaved over several rounds (one pass over all pairs per variant per 
   train         VOCSegmentation with the training pipeline (scale 0.5-2.0, pad, 513 crop, flip) -> uint8 tensors
   train_photo   the same plus photometric jitter / blur
   pil_mask / cv2_mask    mask decoders alone (PIL keeps palette indices; cv2 needs an 'L' PNG)
+  synthetic_96  generating one 96x96 synthetic-shapes sample (the demo's data; target well under 2 ms)
 Reports median ms/image, images/s and the median of per-round ratios to decode_only.
 Target (issue 5): train <= 2.0x decode_only.
 
@@ -31,7 +32,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data.base import palette_image, read_image, read_index_mask  # noqa: E402
-from data.synthetic import render_shapes  # noqa: E402
+from data.synthetic import SyntheticShapes, render_shapes  # noqa: E402
 from data.transforms import PairTransform, build_train_augmentation  # noqa: E402
 from data.voc import VOC_PALETTE, VOCSegmentation  # noqa: E402
 
@@ -83,12 +84,14 @@ def main(argv: list[str] | None = None) -> int:
                 read_image(jpg)
                 read_index_mask(png)
 
+        synthetic = SyntheticShapes(len(names), 96, split="bench")
         variants = {
             "decode_only": decode_only,
             "train": lambda: [train[i] for i in range(len(train))],
             "train_photo": lambda: [photo[i] for i in range(len(photo))],
             "pil_mask": lambda: [read_index_mask(p) for p in pngs],
             "cv2_mask": lambda: [cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in l_pngs],
+            "synthetic_96": lambda: [synthetic.load(i) for i in range(len(synthetic))],
         }
         for run in variants.values():  # warm-up: page cache, lazy imports
             run()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import cv2
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -36,6 +37,11 @@ def build_dataset(data_cfg: Any, split: str, *, train: bool) -> Dataset:
     transform = build_train_transform(data_cfg) if train else build_eval_transform(data_cfg)
     name = data_cfg.dataset
     skip = bool(getattr(data_cfg, "skip_bad_samples", False))
+    fixed_classes = {"voc": 21, "cityscapes": 19}
+    requested = int(getattr(data_cfg, "num_classes", 0))
+    if name in fixed_classes and requested not in (0, fixed_classes[name]):
+        raise ValueError(f"data.num_classes={requested} but dataset '{name}' has {fixed_classes[name]} classes; "
+                         "leave data.num_classes at 0 (or use dataset 'folder' for a custom label set)")
     if name == "voc":
         return VOCSegmentation(data_cfg.root, split, transform=transform, skip_bad_samples=skip)
     if name == "cityscapes":
@@ -59,12 +65,14 @@ def build_dataset(data_cfg: Any, split: str, *, train: bool) -> Dataset:
 
 
 def seed_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: seed numpy and `random` from the worker's torch seed.
+    """DataLoader worker_init_fn: seed numpy and `random` from the worker's torch seed; one cv2 thread.
 
     torch already gives each worker its own seed (base seed + worker id, the base drawn from the
     loader's generator), and the pipelines draw their randomness from torch; this extends the same
-    per-worker seed to numpy / random for any user code in the worker.
+    per-worker seed to numpy / random for any user code in the worker. Workers already run in
+    parallel, so cv2 is limited to one thread per worker (as torch is) to avoid oversubscription.
     """
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    cv2.setNumThreads(1)

@@ -174,3 +174,14 @@ def test_random_scale_crop_matches_resize_pad_crop_reference(scale, top, left):
     assert np.array_equal(out_mask == 255, ref_mask == 255)  # the padded region is exactly the same
     assert (out_mask == ref_mask).mean() > 0.97
     assert np.abs(out_image.astype(int) - ref_image.astype(int)).mean() < 2.0
+
+
+def test_build_dataset_rejects_unknown_dataset_and_wrong_class_count(tmp_path):
+    class _Cfg:
+        dataset = "imagenet"
+        crop_size, scale_range, base_size = 32, (1.0, 1.0), 0
+
+    with pytest.raises(ValueError, match="imagenet"):
+        data.build_dataset(_Cfg(), "train", train=False)
+    with pytest.raises(ValueError, match="num_classes=5.*21"):
+        data.build_dataset(DataConfig(dataset="voc", root=str(tmp_path), num_classes=5), "train", train=False)
