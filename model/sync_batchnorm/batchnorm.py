@@ -62,21 +62,18 @@ def _channel_view(per_channel: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 class _BackwardHandoff:
-    """Carries tensors from Normalize's backward to LocalStats' backward of the same replica."""
+    """Per replica and forward: what LocalStats' backward needs besides its saved input.
 
-    __slots__ = ("local_count", "total_count", "grad_output", "input", "mean", "invstd", "weight")
+    Only detached per-channel tensors and Normalize's grad_output (for the duration of one backward)
+    live here, so it holds no reference to graph nodes (no reference cycles, nothing kept alive).
+    """
+
+    __slots__ = ("local_count", "total_count", "mean", "invstd", "weight", "grad_output")
 
     def __init__(self) -> None:
         self.local_count = 0
         self.total_count = 0
-        self.clear()
-
-    def clear(self) -> None:
-        self.grad_output = None
-        self.input = None
-        self.mean = None
-        self.invstd = None
-        self.weight = None
+        self.mean = self.invstd = self.weight = self.grad_output = None
 
 
 @dataclass
@@ -104,35 +101,37 @@ class _LocalStats(Function):
     @staticmethod
     def forward(ctx, input: torch.Tensor, handoff: _BackwardHandoff) -> torch.Tensor:
         reduce_dims = [0, *range(2, input.dim())]
-        values = input.to(_stats_dtype(input.dtype))
-        var, mean = torch.var_mean(values, dim=reduce_dims, correction=0)
         count = input.numel() // input.size(1)
+        if count == 0:  # an empty replica contributes nothing (its weight in the merge is 0)
+            mean = input.new_zeros(input.size(1), dtype=_stats_dtype(input.dtype))
+            var = torch.zeros_like(mean)
+        else:
+            var, mean = torch.var_mean(input.to(_stats_dtype(input.dtype)), dim=reduce_dims, correction=0)
         handoff.local_count = count
+        # The same tensor Normalize saves: one storage, kept once.
+        ctx.save_for_backward(input)
         ctx.handoff = handoff
-        ctx.ndim = input.dim()
         return torch.stack([mean, var * count])
 
     @staticmethod
     def backward(ctx, global_sums: torch.Tensor):
         handoff = ctx.handoff
         try:
+            (x,) = ctx.saved_tensors
             sum_dy, sum_dy_xhat = global_sums[0], global_sums[1]
-            if handoff.input is None:  # the output of this replica did not reach the loss
-                return None, None
-            x, mean, invstd, weight = handoff.input, handoff.mean, handoff.invstd, handoff.weight
-            count = handoff.total_count
-            scale = weight.to(invstd.dtype) * invstd  # dy coefficient: gamma / sigma
+            mean, invstd, count = handoff.mean, handoff.invstd, handoff.total_count
+            scale = handoff.weight * invstd  # dy coefficient: gamma / sigma
             xhat_coef = invstd * sum_dy_xhat / count
             x_coef = -scale * xhat_coef
             constant = -scale * sum_dy / count + scale * xhat_coef * mean
             # x * x_coef + constant in one fused pass (an eval-mode batch_norm is a per-channel affine map).
-            ones = torch.ones_like(mean)
-            grad_input = F.batch_norm(x, torch.zeros_like(mean), ones, x_coef, constant, False, 0.0, 0.0)
-            if handoff.grad_output is not None:
-                grad_input.addcmul_(handoff.grad_output, _channel_view(scale, ctx.ndim))
+            grad_input = F.batch_norm(x, torch.zeros_like(mean), torch.ones_like(mean), x_coef, constant,
+                                      False, 0.0, 0.0)
+            if handoff.grad_output is not None:  # None when this replica's output did not reach the loss
+                grad_input.addcmul_(handoff.grad_output, _channel_view(scale, x.dim()))
             return grad_input, None
         finally:
-            handoff.clear()
+            handoff.grad_output = None
 
 
 class _CombineStats(Function):
@@ -190,12 +189,7 @@ class _Normalize(Function):
         )
         grad_stats = None
         if ctx.needs_input_grad[1]:
-            handoff = ctx.handoff
-            handoff.grad_output = grad_output
-            handoff.input = input
-            handoff.mean = mean
-            handoff.invstd = invstd
-            handoff.weight = gamma
+            ctx.handoff.grad_output = grad_output
             grad_stats = torch.stack([sum_dy, sum_dy_xhat]).to(mean.dtype)
         grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[2] else None
         grad_bias = sum_dy.to(ctx.bias_dtype) if ctx.needs_input_grad[3] else None
@@ -321,6 +315,10 @@ class _SynchronizedBatchNorm(_BatchNorm):
             else:
                 global_stats, total_count = exchange(message)
             handoff.total_count = total_count
+            stats = global_stats.detach()
+            handoff.mean = stats[0]
+            handoff.invstd = torch.rsqrt(stats[1] + self.eps)
+            handoff.weight = self.weight.detach().to(stats.dtype) if self.weight is not None else torch.ones_like(stats[0])
             output = _Normalize.apply(input, global_stats, self.weight, self.bias, handoff, self.eps)
         if running_mean is not None and running_var is not None:
             with torch.no_grad():
@@ -395,6 +393,12 @@ def _replace(module: nn.Module, mapping: dict[type, type]) -> nn.Module:
     return module
 
 
+def _data_parallel_options(module: nn.DataParallel) -> dict:
+    # Without an accelerator DataParallel stores no output_device; pass on what it has.
+    return {"device_ids": module.device_ids, "output_device": getattr(module, "output_device", None),
+            "dim": getattr(module, "dim", 0)}
+
+
 def convert_model(module: nn.Module) -> nn.Module:
     """Replace every nn.BatchNorm1d/2d/3d by its synchronized twin, sharing parameters and buffers.
 
@@ -403,8 +407,7 @@ def convert_model(module: nn.Module) -> nn.Module:
     """
     if isinstance(module, nn.DataParallel):
         inner = _replace(module.module, _TO_SYNC)
-        return DataParallelWithCallback(inner, device_ids=module.device_ids, output_device=module.output_device,
-                                        dim=module.dim)
+        return DataParallelWithCallback(inner, **_data_parallel_options(module))
     return _replace(module, _TO_SYNC)
 
 
@@ -415,6 +418,5 @@ def revert_model(module: nn.Module) -> nn.Module:
     """
     if isinstance(module, DataParallelWithCallback):
         inner = _replace(module.module, _TO_PLAIN)
-        return nn.DataParallel(inner, device_ids=module.device_ids, output_device=module.output_device,
-                               dim=module.dim)
+        return nn.DataParallel(inner, **_data_parallel_options(module))
     return _replace(module, _TO_PLAIN)
