@@ -77,18 +77,21 @@ def _draw_shape(layer: np.ndarray, name: str, center: np.ndarray, radius: float,
     cv2.fillPoly(layer, [np.round(rotated * scale).astype(np.int32)], 1, cv2.LINE_8, _SUBPIXEL_SHIFT)
 
 
-def _texture(rng: np.random.Generator, color: np.ndarray, size: int, ramp: np.ndarray) -> np.ndarray:
-    """size x size x 3 float32: `color` plus one of flat / gradient / blotchy variation."""
+def _texture(rng: np.random.Generator, color: np.ndarray, size: int, ramp: np.ndarray,
+             box: tuple[int, int, int, int]) -> np.ndarray:
+    """`color` plus one of flat / gradient / blotchy variation (fields span the whole image), cut to
+    box = (top, bottom, left, right): a (bottom - top) x (right - left) x 3 float32 array."""
+    top, bottom, left, right = box
     kind = rng.integers(3)
     if kind == 0:
-        return np.broadcast_to(color.astype(np.float32), (size, size, 3))
+        return np.broadcast_to(color.astype(np.float32), (bottom - top, right - left, 3))
     amplitude = rng.uniform(-_TEXTURE_AMPLITUDE, _TEXTURE_AMPLITUDE, 3).astype(np.float32)
     if kind == 1:
         angle = rng.uniform(0, 2 * math.pi)
-        field = math.cos(angle) * ramp[None, :] + math.sin(angle) * ramp[:, None]
+        field = math.cos(angle) * ramp[None, left:right] + math.sin(angle) * ramp[top:bottom, None]
         return color.astype(np.float32) + field[:, :, None] * amplitude
     coarse = rng.uniform(-1.0, 1.0, (4, 4, 3)).astype(np.float32)
-    field = cv2.resize(coarse, (size, size), interpolation=cv2.INTER_CUBIC)
+    field = cv2.resize(coarse, (size, size), interpolation=cv2.INTER_CUBIC)[top:bottom, left:right]
     return color.astype(np.float32) + field * (np.abs(amplitude) + 10.0)
 
 
@@ -112,7 +115,7 @@ def render_shapes(
     size = image_size
     ramp = np.linspace(-1.0, 1.0, size, dtype=np.float32)
     background = _pick_color(rng, [])
-    canvas = np.array(_texture(rng, background, size, ramp), dtype=np.float32)
+    canvas = np.array(_texture(rng, background, size, ramp, (0, size, 0, size)), dtype=np.float32)
     mask = np.zeros((size, size), dtype=np.uint8)
     used = [background]
     layer = np.empty((size, size), dtype=np.uint8)
@@ -123,11 +126,14 @@ def render_shapes(
         angle = rng.uniform(0, 2 * math.pi)
         layer.fill(0)
         _draw_shape(layer, SHAPE_NAMES[label - 1], center, radius, angle, rng)
-        inside = layer.view(bool)
+        left, top, width, height = cv2.boundingRect(layer)  # only the shape's box is textured and copied
+        box = (top, top + max(height, 1), left, left + max(width, 1))
+        inside = layer[box[0]:box[1], box[2]:box[3]].view(bool)
         color = _pick_color(rng, used)
         used.append(color)
-        mask[inside] = label
-        canvas[inside] = _texture(rng, color, size, ramp)[inside]
+        texture = _texture(rng, color, size, ramp, box)
+        mask[box[0]:box[1], box[2]:box[3]][inside] = label
+        np.copyto(canvas[box[0]:box[1], box[2]:box[3]], texture, where=inside[:, :, None])
     sigma = rng.uniform(*_NOISE_SIGMA_RANGE)
     canvas += rng.standard_normal((size, size, 3), dtype=np.float32) * np.float32(sigma)
     image = np.clip(canvas, 0, 255, out=canvas).astype(np.uint8)
