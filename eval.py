@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scales", help="comma-separated test scales, e.g. 0.5,0.75,1.0,1.25,1.5,1.75")
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                         help="also predict the horizontally flipped image and average the logits")
-    parser.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off", help="autocast for inference")
+    parser.add_argument("--amp", choices=("off", "fp16", "bf16"),
+                        help="autocast for inference (default: the checkpoint's train.amp, which training's "
+                             "validation also uses, so both report the same numbers; 'off' for full precision)")
     parser.add_argument("--save-predictions", metavar="DIR",
                         help="write DIR/color/<name>.png (palette) and DIR/labels/<name>.png (class ids; "
                              "Cityscapes: labelIds for the benchmark server)")
@@ -221,6 +223,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
                 Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint8), mode="L").save(label_dir / f"{name}.png")
 
     eval_cfg = config.eval
+    amp = args.amp or config.train.amp
     if is_main:
         logger.info("evaluating %s (iteration %s) on %s/%s: %d images, mode=%s%s, scales=%s, flip=%s, device %s",
                     args.checkpoint, payload.get("iteration"), config.data.dataset, split, len(dataset), eval_cfg.mode,
@@ -228,7 +231,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
                     ",".join(map(str, eval_cfg.scales)), eval_cfg.flip, device)
     metrics = evaluate(model, loader, num_classes=num_classes, device=device, mean=config.data.mean,
                        std=config.data.std, eval_cfg=eval_cfg, ignore_index=config.data.ignore_index,
-                       classes=checkpoint_classes, progress=is_main and not args.no_progress, amp=args.amp,
+                       classes=checkpoint_classes, progress=is_main and not args.no_progress, amp=amp,
                        on_batch=on_batch)
     return _plain({
         "checkpoint": str(args.checkpoint),
@@ -242,7 +245,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
             "scales": list(eval_cfg.scales),
             "flip": eval_cfg.flip,
             "base_size": config.data.base_size,
-            "amp": args.amp,
+            "amp": amp,
         },
         "num_images": metrics["num_images"],
         "miou": metrics["miou"],
