@@ -1,0 +1,201 @@
+"""build_model settings, parameter groups, fine-tuning loads, channels_last, export."""
+import io
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torchvision.ops import FrozenBatchNorm2d
+
+from engine.config import ModelConfig
+from model.builder import build_model, build_param_groups, load_segmentation_weights
+from model.sync_batchnorm import SynchronizedBatchNorm2d, revert_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small(**settings) -> ModelConfig:
+    values = dict(arch="deeplabv3plus", backbone="resnet18", output_stride=16, head_channels=32)
+    values.update(settings)
+    return ModelConfig(**values)
+
+
+def _norms(module: nn.Module) -> list[type]:
+    kinds = (nn.modules.batchnorm._BatchNorm, FrozenBatchNorm2d)
+    return [type(m) for m in module.modules() if isinstance(m, kinds)]
+
+
+@pytest.mark.parametrize("arch", ["deeplabv3", "deeplabv3plus"])
+def test_norm_choice(arch):
+    synced = build_model(small(arch=arch, aux_loss=True, norm="syncbn"), 4)
+    assert set(_norms(synced)) == {SynchronizedBatchNorm2d}
+    plain = build_model(small(arch=arch, aux_loss=True, norm="bn"), 4)
+    assert set(_norms(plain)) == {nn.BatchNorm2d}
+    frozen = build_model(small(arch=arch, aux_loss=True, norm="frozen_bn", backbone="mobilenet_v3_large"), 4)
+    assert set(_norms(frozen.backbone)) == {FrozenBatchNorm2d}
+    assert set(_norms(frozen.classifier)) | set(_norms(frozen.aux_classifier)) == {SynchronizedBatchNorm2d}
+    frozen_layers = [m for m in frozen.backbone.modules() if isinstance(m, FrozenBatchNorm2d)]
+    assert all(not t.requires_grad for m in frozen_layers for t in m.state_dict().values())
+    assert frozen_layers[0].eps == 0.001  # MobileNetV3's BatchNorm setting survives the norm choice
+
+
+def test_frozen_bn_backbone_takes_imagenet_statistics(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+    folder = tmp_path / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    classifier = torchvision.models.resnet18(weights=None)
+    with torch.no_grad():
+        classifier.bn1.running_mean.uniform_(-1, 1)
+        classifier.bn1.weight.uniform_(0.5, 2)
+    torch.save(classifier.state_dict(), folder / os.path.basename(urlparse(weights.url).path))
+    model = build_model(small(norm="frozen_bn", pretrained_backbone="imagenet"), 3)
+    assert torch.equal(model.backbone.bn1.running_mean, classifier.bn1.running_mean)
+    assert torch.equal(model.backbone.bn1.weight, classifier.bn1.weight)
+    assert torch.equal(model.backbone.layer4[1].conv2.weight, classifier.layer4[1].conv2.weight)
+
+
+def test_param_groups_split_backbone_and_head():
+    model = build_model(small(aux_loss=True), 4)
+    groups = build_param_groups(nn.DataParallel(model), lr=0.01, head_lr_mult=10.0, weight_decay=1e-4)
+    assert [g["name"] for g in groups] == ["backbone", "head"]
+    by_name = {g["name"]: g for g in groups}
+    assert by_name["backbone"]["lr"] == pytest.approx(0.01) and by_name["head"]["lr"] == pytest.approx(0.1)
+    assert all(g["weight_decay"] == 1e-4 for g in groups)
+    backbone_ids = {id(p) for p in by_name["backbone"]["params"]}
+    head_ids = {id(p) for p in by_name["head"]["params"]}
+    assert backbone_ids == {id(p) for p in model.backbone.parameters()}
+    assert not backbone_ids & head_ids
+    assert backbone_ids | head_ids == {id(p) for p in model.parameters()}
+    torch.optim.SGD(groups, lr=0.01, momentum=0.9)  # accepted as is
+
+
+def test_param_groups_leave_out_frozen_parameters():
+    model = build_model(small(), 4)
+    for p in model.backbone.parameters():
+        p.requires_grad_(False)
+    groups = build_param_groups(model, lr=0.1, head_lr_mult=1.0, weight_decay=0.0)
+    assert [g["name"] for g in groups] == ["head"]
+
+
+def _logits_keys(aux: bool) -> list[str]:
+    keys = ["classifier.to_logits.weight", "classifier.to_logits.bias"]
+    if aux:
+        keys += ["aux_classifier.4.weight", "aux_classifier.4.bias"]
+    return sorted(keys)
+
+
+def test_fine_tuning_with_a_different_class_count_skips_only_the_classifiers():
+    torch.manual_seed(0)
+    source = build_model(small(aux_loss=True), 21).state_dict()
+    model = build_model(small(aux_loss=True), 6)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    skipped = load_segmentation_weights(model, source)
+    assert skipped == _logits_keys(aux=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, fresh[key] if key in skipped else source[key]), key
+    # the same class count loads everything
+    assert load_segmentation_weights(build_model(small(aux_loss=True), 21), source) == []
+
+
+@pytest.mark.slow
+def test_fine_tuning_from_torchvision_deeplabv3_resnet50():
+    reference = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None,
+                                                                    num_classes=21, aux_loss=True)
+    model = build_model(ModelConfig(arch="deeplabv3", backbone="resnet50", aux_loss=True), 6)
+    skipped = load_segmentation_weights(model, reference.state_dict())
+    assert skipped == ["aux_classifier.4.bias", "aux_classifier.4.weight", "classifier.4.bias", "classifier.4.weight"]
+    assert torch.equal(model.classifier[0].convs[4][1].weight, reference.classifier[0].convs[4][1].weight)
+
+
+def test_fine_tuning_rejects_other_mismatches():
+    source = build_model(small(aux_loss=True), 21).state_dict()
+    with pytest.raises(ValueError, match="missing keys"):  # another backbone
+        load_segmentation_weights(build_model(small(backbone="resnet34", aux_loss=True), 21), source)
+    with pytest.raises(ValueError, match="shape mismatch"):  # another head width
+        load_segmentation_weights(build_model(small(head_channels=16, aux_loss=True), 21), source)
+    with pytest.raises(ValueError, match="unexpected keys"):  # aux weights, model without aux
+        load_segmentation_weights(build_model(small(), 21), source)
+
+
+def test_fine_tuning_strips_a_data_parallel_prefix():
+    source = build_model(small(), 4).state_dict()
+    model = build_model(small(), 4)
+    assert load_segmentation_weights(model, {f"module.{k}": v for k, v in source.items()}) == []
+    assert torch.equal(model.state_dict()["classifier.to_logits.weight"], source["classifier.to_logits.weight"])
+
+
+@pytest.mark.parametrize("arch", ["deeplabv3", "deeplabv3plus"])
+def test_channels_last_end_to_end(arch):
+    torch.manual_seed(0)
+    reference = build_model(small(arch=arch, aux_loss=True), 4)
+    model = build_model(small(arch=arch, aux_loss=True, channels_last=True), 4)
+    model.load_state_dict(reference.state_dict())
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
+    x = torch.randn(2, 3, 45, 39)
+    for mode in (False, True):
+        reference.train(mode)
+        model.train(mode)
+        for m in list(model.modules()) + list(reference.modules()):
+            if isinstance(m, nn.Dropout):
+                m.eval()
+        expected, actual = reference(x), model(x)
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key], atol=1e-4, rtol=1e-4)
+    (actual["out"].mean() + actual["aux"].mean()).backward()
+    (expected["out"].mean() + expected["aux"].mean()).backward()
+    reference_grads = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference_grads[name].grad, atol=1e-4, rtol=1e-3)
+
+
+def test_export_with_revert_model_and_jit_trace():
+    torch.manual_seed(0)
+    model = build_model(small(aux_loss=True), 4).eval()
+    x = torch.randn(1, 3, 65, 65)
+    with torch.no_grad():
+        expected = model(x)
+    exported = revert_model(model)
+    assert SynchronizedBatchNorm2d not in set(_norms(exported))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit deprecation and tracer notes
+        traced = torch.jit.trace(exported, x, strict=False)
+        torch.jit.save(traced, buffer)
+        buffer.seek(0)
+        loaded = torch.jit.load(buffer)
+    with torch.no_grad():
+        actual = loaded(x)
+    for key in ("out", "aux"):
+        torch.testing.assert_close(actual[key], expected[key], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("arch", "pspnet", "model.arch"),
+    ("backbone", "vgg16", "model.backbone"),
+    ("output_stride", 32, "model.output_stride"),
+    ("norm", "groupnorm", "model.norm"),
+    ("head_channels", 0, "model.head_channels"),
+])
+def test_invalid_settings_name_the_key(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(small(**{field: value}), 4)
+
+
+def test_invalid_class_count():
+    with pytest.raises(ValueError, match="num_classes"):
+        build_model(small(), 0)
+
+
+def test_importing_the_package_is_light():
+    code = ("import sys, model, model.sync_batchnorm; "
+            "assert 'model.builder' not in sys.modules and 'torchvision' not in sys.modules, sorted(sys.modules); "
+            "assert callable(model.build_model)")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
