@@ -61,6 +61,23 @@ def _channel_view(per_channel: torch.Tensor, ndim: int) -> torch.Tensor:
     return per_channel.view(1, -1, *([1] * (ndim - 2)))
 
 
+def _batch_mean_var(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance in the statistics dtype, without upcasting the input.
+
+    ATen's batch_norm_update_stats is the statistics half of the built-in BatchNorm kernel (two-pass,
+    vectorized, channels_last aware; several times faster than var_mean over dims (0, 2, 3) on CPU).
+    Given float32 running buffers it accumulates float16/bfloat16 input in float32; the buffers here
+    are scratch (momentum 0).
+    """
+    stats_dtype = _stats_dtype(input.dtype)
+    scratch_mean = scratch_var = None
+    if input.dtype != stats_dtype:
+        scratch_mean = torch.zeros(input.size(1), dtype=stats_dtype, device=input.device)
+        scratch_var = torch.ones_like(scratch_mean)
+    mean, var = torch.ops.aten.batch_norm_update_stats(input, scratch_mean, scratch_var, 0.0)
+    return mean.to(stats_dtype), var.to(stats_dtype)
+
+
 class _BackwardHandoff:
     """Per replica and forward: what LocalStats' backward needs besides its saved input.
 
@@ -100,13 +117,12 @@ def _merge(counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor) -> tupl
 class _LocalStats(Function):
     @staticmethod
     def forward(ctx, input: torch.Tensor, handoff: _BackwardHandoff) -> torch.Tensor:
-        reduce_dims = [0, *range(2, input.dim())]
         count = input.numel() // input.size(1)
         if count == 0:  # an empty replica contributes nothing (its weight in the merge is 0)
             mean = input.new_zeros(input.size(1), dtype=_stats_dtype(input.dtype))
             var = torch.zeros_like(mean)
         else:
-            var, mean = torch.var_mean(input.to(_stats_dtype(input.dtype)), dim=reduce_dims, correction=0)
+            mean, var = _batch_mean_var(input)
         handoff.local_count = count
         # The same tensor Normalize saves: one storage, kept once.
         ctx.save_for_backward(input)

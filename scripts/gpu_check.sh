@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU checks: every CUDA test and the GPU benchmarks, within 5 minutes on a GPU machine.
+#   scripts/gpu_check.sh OUTPUT_DIR
+# Writes under OUTPUT_DIR: environment.txt, cuda_tests.txt (pytest output), bench_syncbn_cuda.{txt,json}.
+# Uses $PYTHON, else .venv/bin/python when it exists, else python3 (the GPU machine's own PyTorch).
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTPUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+fi
+export PYTHONUNBUFFERED=1
+status=0
+
+{ date -u; nvidia-smi || true; "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"; } \
+  > "$out/environment.txt" 2>&1
+
+# Every test file that declares CUDA tests (marker `cuda`); only those modules are imported, so the
+# GPU machine needs torch alone for the sync_batchnorm checks.
+mapfile -t cuda_tests < <(grep -rl "mark.cuda" tests --include='test_*.py' | sort)
+echo "CUDA test files: ${cuda_tests[*]}" | tee "$out/cuda_tests.txt"
+timeout 150 "$py" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" "${cuda_tests[@]}" -rA \
+  2>&1 | tee -a "$out/cuda_tests.txt" || status=1
+
+timeout 90 "$py" benchmarks/bench_syncbn.py --device cuda --skip-distributed --repeats 30 \
+  --output "$out/bench_syncbn_cuda.json" 2>&1 | tee "$out/bench_syncbn_cuda.txt" || status=1
+
+echo "gpu_check finished with status $status; results in $out"
+exit $status

@@ -1,0 +1,88 @@
+"""CUDA checks: skipped without a GPU, run by scripts/gpu_check.sh on a GPU machine.
+
+Real DataParallelWithCallback over the visible GPUs (torch's replicate, broadcast and parallel_apply)
+against nn.BatchNorm2d on the concatenated batch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from model.sync_batchnorm import DataParallelWithCallback, SynchronizedBatchNorm2d, convert_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+
+
+def make_pair(channels: int = 8):
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()).cuda()
+    with torch.no_grad():
+        reference[1].weight.uniform_(0.5, 1.5)
+        reference[1].bias.uniform_(-1, 1)
+    sync = convert_model(nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()))
+    sync.load_state_dict(reference.state_dict())
+    return sync.cuda(), reference
+
+
+def test_single_gpu_equals_nn_batchnorm_and_synchronized_path_matches():
+    sync, reference = make_pair()
+    x = torch.randn(6, 3, 17, 19, device="cuda")
+    assert torch.equal(sync(x), reference(x))
+    layer = sync[1]
+    features = torch.randn(6, 8, 9, 9, device="cuda", requires_grad=True)
+    plain = nn.BatchNorm2d(8).cuda()
+    plain.load_state_dict(layer.state_dict())
+    features_ref = features.detach().clone().requires_grad_()
+    upstream = torch.randn_like(features)
+    y = layer._forward_synchronized(features, None, 0.1, layer.running_mean, layer.running_var)
+    y.backward(upstream)
+    plain(features_ref).backward(upstream)
+    torch.testing.assert_close(features.grad, features_ref.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_on_gpu(dtype):
+    layer = SynchronizedBatchNorm2d(8).cuda()
+    x = (torch.randn(4, 8, 9, 9, device="cuda") * 2 + 30).to(dtype).requires_grad_()
+    y = layer._forward_synchronized(x, None, 0.1, layer.running_mean, layer.running_var)
+    assert y.dtype == dtype and layer.running_mean.dtype == torch.float32
+    y.backward(torch.randn_like(y))
+    assert x.grad.dtype == dtype
+    expected = nn.BatchNorm2d(8).double().cuda()
+    expected(x.detach().double())
+    torch.testing.assert_close(layer.running_mean.double(), expected.running_mean, rtol=1e-5, atol=1e-5)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("batch", [8, 5, 1])
+def test_data_parallel_over_all_gpus_equals_batchnorm_on_concatenated_batch(batch):
+    sync, reference = make_pair()
+    devices = list(range(torch.cuda.device_count()))
+    model = DataParallelWithCallback(sync, device_ids=devices)
+    for step in range(3):
+        x = torch.randn(batch, 3, 17, 19, device="cuda") * (step + 1)
+        upstream = torch.randn(batch, 8, 17, 19, device="cuda")
+        y = model(x)
+        y.backward(upstream)
+        y_ref = reference(x)
+        y_ref.backward(upstream)
+        torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+        for (name, p), p_ref in zip(sync.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-3, atol=1e-4, msg=name)
+            p.grad = None
+            p_ref.grad = None
+    torch.testing.assert_close(sync[1].running_var, reference[1].running_var, rtol=1e-4, atol=1e-5)
+
+
+@needs_two_gpus
+def test_data_parallel_under_autocast():
+    sync, reference = make_pair()
+    model = DataParallelWithCallback(sync, device_ids=list(range(torch.cuda.device_count())))
+    x = torch.randn(8, 3, 17, 19, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = model(x)
+        y_ref = reference(x)
+    assert y.dtype == y_ref.dtype
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
