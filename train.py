@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stop-at", type=int, default=None, metavar="ITER",
                         help="save last.pt and stop at this iteration (split a run into chunks; resume later)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.iters=200")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
 def resolve_config(args: argparse.Namespace):

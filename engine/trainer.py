@@ -663,7 +663,7 @@ class Trainer:
         metrics = evaluate(self.model, self.val_loader, num_classes=self.num_classes, device=self.device,
                            mean=data_cfg.mean, std=data_cfg.std, eval_cfg=self.config.eval,
                            ignore_index=self.ignore_index, classes=self.classes, progress=False,
-                           amp=self.config.train.amp)
+                           amp=self.config.train.amp)  # eval.py's default too: the logged mIoU is reproducible
         if self.is_main:
             per_class = {name: value for name, value in zip(self.classes, metrics.get("iou", []))
                          if value is not None}
@@ -690,9 +690,8 @@ class Trainer:
         for index in self.vis_indices:
             image, mask = self.val_set[index]
             batch = normalize_batch(image.unsqueeze(0).to(self.device), self.config.data.mean, self.config.data.std)
-            with self._autocast():
-                logits = predict(self.model, batch, num_classes=self.num_classes, mode=eval_cfg.mode,
-                                 crop_size=eval_cfg.crop_size, stride=eval_cfg.stride)
+            logits = predict(self.model, batch, num_classes=self.num_classes, mode=eval_cfg.mode,
+                             crop_size=eval_cfg.crop_size, stride=eval_cfg.stride)
             prediction = logits.argmax(1)[0].cpu().numpy().astype(np.uint8)
             panels = [image.permute(1, 2, 0).numpy()]
             for labels in (mask.numpy(), prediction):

@@ -1,0 +1,187 @@
+"""End-to-end training on CPU with tiny synthetic data: artifacts, eval.py agreement, exact resume,
+signals, non-finite losses and command-line errors."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = [
+    "data.synthetic_image_size=32", "data.crop_size=32", "data.scale_range=0.9,1.1",
+    "data.synthetic_train_size=16", "data.synthetic_val_size=4", "data.num_workers=0",
+    "model.backbone=resnet18", "model.head_channels=16", "model.aspp_rates=1",
+    "train.batch_size=4", "train.warmup_iters=2", "train.log_interval=1", "eval.batch_size=4",
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def run_train(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    process = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=timeout)
+    if check and process.returncode != 0:
+        raise AssertionError(f"train.py exited {process.returncode}:\n{process.stderr[-3000:]}")
+    return process
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["iteration"]: r["loss"] for r in read_metrics(run_dir) if r["type"] == "train"}
+
+
+@pytest.mark.slow
+def test_training_writes_checkpoints_events_metrics_and_eval_reproduces_val_miou(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from engine.checkpoint import load_checkpoint
+
+    run_dir = tmp_path / "run"
+    run_train("--config", "demo.yaml", f"output_dir={run_dir}", *TINY, "train.iters=4", "train.val_interval=2",
+              "train.ckpt_interval=2", "train.num_vis_images=2")
+    for name in ("last.pt", "best.pt", "config.yaml", "metrics.jsonl"):
+        assert (run_dir / name).is_file(), name
+    last = load_checkpoint(run_dir / "last.pt")  # weights_only=True inside
+    best = load_checkpoint(run_dir / "best.pt")
+    assert last["iteration"] == 4 and best["iteration"] in (2, 4)
+    assert not any(key.startswith("module.") for key in last["model"])
+    assert last["classes"] == best["classes"] and len(last["classes"]) == 6
+
+    records = read_metrics(run_dir)
+    val = {r["iteration"]: r for r in records if r["type"] == "val"}
+    assert sorted(val) == [2, 4] and sorted(train_losses(run_dir)) == [1, 2, 3, 4]
+    assert best["best_miou"] == pytest.approx(max(v["miou"] for v in val.values()))
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr/backbone", "train/lr/head", "train/images_per_s",
+                "train/data_wait_fraction", "train/peak_memory_mb", "val/miou", "val/pixel_acc"):
+        assert tag in scalars, (tag, sorted(scalars))
+    assert any(tag.startswith("val/iou/") for tag in scalars)
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    logged = {e.step: e.value for e in events.Scalars("val/miou")}
+    assert logged[2] == pytest.approx(val[2]["miou"], rel=1e-6)
+    image = events.Images("val/image_truth_prediction")[-1]
+    assert (image.width, image.height) == (3 * 32, 2 * 32)  # image | truth | prediction, 2 rows
+
+    output = tmp_path / "eval.json"
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "--checkpoint", str(run_dir / "best.pt"), "--device", "cpu",
+         "--no-progress", "--output", str(output)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    evaluated = json.loads(output.read_text())
+    miou = evaluated["metrics"]["miou"] if "metrics" in evaluated else evaluated["miou"]
+    assert miou == pytest.approx(val[best["iteration"]]["miou"], abs=1e-9)
+
+
+@pytest.mark.slow
+def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
+    common = ["--config", "demo.yaml", *TINY, "train.iters=8", "train.val_interval=100", "train.ckpt_interval=100"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_train(*common, f"output_dir={straight}")
+    run_train(*common, f"output_dir={split}", "--stop-at", "3")
+    assert torch.load(split / "last.pt", weights_only=True)["iteration"] == 3
+    # a different worker count after the resume: augmentation is seeded per sample, not per worker
+    run_train(*common, f"output_dir={split}", "--resume", "auto", "data.num_workers=1")
+
+    expected, resumed = train_losses(straight), train_losses(split)
+    assert sorted(expected) == list(range(1, 9)) and sorted(resumed) == list(range(1, 9))
+    for iteration in range(1, 9):
+        assert resumed[iteration] == pytest.approx(expected[iteration], abs=1e-6, rel=0), iteration
+    assert len(set(expected.values())) > 1  # losses move: the comparison is not vacuous
+
+    # a larger train.iters extends the finished run
+    run_train("--config", "demo.yaml", f"output_dir={split}", "--resume", "auto", "train.iters=10")
+    assert torch.load(split / "last.pt", weights_only=True)["iteration"] == 10
+    assert sorted(train_losses(split)) == list(range(1, 11))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_last_checkpoint_and_exits_zero(tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "--config", "demo.yaml", f"output_dir={run_dir}", *TINY,
+         "train.iters=100000", "train.val_interval=100000", "train.ckpt_interval=100000", "data.num_workers=1"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2:
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr[-3000:]
+    assert "interrupted" in stderr
+    checkpoint = torch.load(run_dir / "last.pt", weights_only=True)
+    assert checkpoint["iteration"] >= 2
+    assert checkpoint["iteration"] == max(train_losses(run_dir))
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_with_iteration_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    from engine.config import load_config
+    from engine.distributed import DistInfo
+    from engine.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    config = load_config("demo.yaml", [f"output_dir={run_dir}", *TINY, "train.iters=6", "train.ckpt_interval=1",
+                                       "train.log_interval=5", "train.val_interval=100", "train.amp=off"])
+    trainer = Trainer(config, DistInfo(), progress=False)
+    original = trainer.criterion.head_terms
+
+    def poisoned(logits, target):
+        loss_sum, weight = original(logits, target)
+        return (loss_sum * float("nan") if trainer.iteration == 3 else loss_sum), weight
+
+    monkeypatch.setattr(trainer.criterion, "head_terms", poisoned)
+    with pytest.raises(FloatingPointError, match="iteration 4"):
+        trainer.fit()
+    checkpoint = torch.load(run_dir / "last.pt", weights_only=True)
+    assert checkpoint["iteration"] == 3
+    assert all(torch.isfinite(v).all() for v in checkpoint["model"].values() if v.is_floating_point())
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--config", "demo.yaml", "train.iter=5"], "train.iters"),
+    (["--config", "voc.yaml", "data.root=/nonexistent/VOCdevkit/VOC2012"], "/nonexistent/VOCdevkit/VOC2012"),
+    (["--config", "demo.yaml", "--gpus", "zero"], "'zero' is not a GPU id"),
+    (["--config", "demo.yaml", "--gpus", "99"], "99"),
+    (["--config", "no_such_config.yaml"], "no_such_config.yaml"),
+])
+def test_bad_command_lines_exit_nonzero_with_one_line_reason(args, fragment, tmp_path):
+    process = run_train(*args, f"output_dir={tmp_path / 'run'}", check=False, timeout=120)
+    assert process.returncode == 2, process.stderr[-2000:]
+    error_lines = [line for line in process.stderr.splitlines() if "error" in line.lower()]
+    assert len(error_lines) == 1, process.stderr[-2000:]
+    assert error_lines[0].startswith("train.py: error:") and fragment in error_lines[0]
+    assert "Traceback" not in process.stderr
+    assert not (tmp_path / "run" / "last.pt").exists()
