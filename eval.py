@@ -72,12 +72,6 @@ def resolve_config(args: argparse.Namespace, payload: dict[str, Any]):
     return build_config(values, source="command line", base=saved)
 
 
-def _architecture(model_cfg: Any) -> str:
-    return (f"model.arch={model_cfg.arch} model.backbone={model_cfg.backbone} "
-            f"model.output_stride={model_cfg.output_stride} model.head_channels={model_cfg.head_channels} "
-            f"model.aux_loss={model_cfg.aux_loss}")
-
-
 def check_classes(checkpoint: str, checkpoint_classes: list[str], dataset: Any, data_cfg: Any, split: str) -> None:
     """ValueError when the dataset's class count differs from the checkpoint's; a warning when only names do."""
     dataset_classes = list(dataset.classes)
@@ -93,29 +87,6 @@ def check_classes(checkpoint: str, checkpoint_classes: list[str], dataset: Any, 
     if checkpoint_classes != dataset_classes:
         logger.warning("class names differ between the checkpoint (%s) and the dataset (%s); evaluating by index",
                        ", ".join(checkpoint_classes), ", ".join(dataset_classes))
-
-
-def load_weights_strict(model: Any, state_dict: dict[str, Any], *, checkpoint: str, saved_model_cfg: Any,
-                        model_cfg: Any) -> None:
-    """Load every tensor or raise one ValueError that names the architectures instead of a shape traceback."""
-    expected = model.state_dict()
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
-    shapes = [f"{key}: checkpoint {tuple(state_dict[key].shape)} vs model {tuple(value.shape)}"
-              for key, value in expected.items() if key in state_dict and state_dict[key].shape != value.shape]
-    if missing or unexpected or shapes:
-        problems = []
-        if missing:
-            problems.append(f"{len(missing)} missing tensor(s) (e.g. {missing[0]})")
-        if unexpected:
-            problems.append(f"{len(unexpected)} unexpected tensor(s) (e.g. {unexpected[0]})")
-        if shapes:
-            problems.append(f"{len(shapes)} shape mismatch(es) (e.g. {shapes[0]})")
-        raise ValueError(
-            f"checkpoint '{checkpoint}' does not fit the model: it was trained as [{_architecture(saved_model_cfg)}], "
-            f"the config asks for [{_architecture(model_cfg)}]: {'; '.join(problems)}; drop the model.* overrides"
-        )
-    model.load_state_dict(state_dict, strict=True)
 
 
 def _plain(value: Any) -> Any:
@@ -176,7 +147,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     import torch
 
     from data import build_dataset, palette_image
-    from engine.checkpoint import load_checkpoint
+    from engine.checkpoint import load_checkpoint, load_model_weights
     from engine.config import from_dict
     from engine.evaluate import build_eval_loader, evaluate
     from model.builder import build_model
@@ -192,8 +163,8 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     check_classes(args.checkpoint, checkpoint_classes, dataset, config.data, split)
     num_classes = len(checkpoint_classes)
     model = build_model(config.model, num_classes)
-    load_weights_strict(model, payload["model"], checkpoint=args.checkpoint, saved_model_cfg=saved_model_cfg,
-                        model_cfg=config.model)
+    load_model_weights(model, payload["model"], checkpoint=args.checkpoint, saved_model_cfg=saved_model_cfg,
+                       model_cfg=config.model)
     payload.pop("model")  # free host memory before the loop
     payload.pop("optimizer", None)
     model.to(device).eval()

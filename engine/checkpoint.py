@@ -119,3 +119,39 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         model = model.module
     return model
+
+
+def describe_architecture(model_cfg: Any) -> str:
+    """The model.* settings that decide the state dict's keys and shapes, as KEY=VALUE text."""
+    return (f"model.arch={model_cfg.arch} model.backbone={model_cfg.backbone} "
+            f"model.output_stride={model_cfg.output_stride} model.head_channels={model_cfg.head_channels} "
+            f"model.aux_loss={model_cfg.aux_loss}")
+
+
+def load_model_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, checkpoint: str | Path,
+                       saved_model_cfg: Any, model_cfg: Any) -> None:
+    """Load every tensor of a checkpoint's `model` strictly (evaluation / prediction, not fine-tuning).
+
+    Raises one ValueError naming the checkpoint, the architecture it was trained with
+    (`saved_model_cfg`) and the one asked for (`model_cfg`), and the first missing / unexpected /
+    mis-shaped tensor, instead of load_state_dict's multi-line shape traceback.
+    """
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    shapes = [f"{key}: checkpoint {tuple(state_dict[key].shape)} vs model {tuple(value.shape)}"
+              for key, value in expected.items() if key in state_dict and state_dict[key].shape != value.shape]
+    if missing or unexpected or shapes:
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} missing tensor(s) (e.g. {missing[0]})")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected tensor(s) (e.g. {unexpected[0]})")
+        if shapes:
+            problems.append(f"{len(shapes)} shape mismatch(es) (e.g. {shapes[0]})")
+        raise ValueError(
+            f"checkpoint '{checkpoint}' does not fit the model: it was trained as "
+            f"[{describe_architecture(saved_model_cfg)}], the config asks for [{describe_architecture(model_cfg)}]: "
+            f"{'; '.join(problems)}; drop the model.* overrides"
+        )
+    model.load_state_dict(state_dict, strict=True)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint, unwrap_model
+from engine.checkpoint import FORMAT_VERSION, load_checkpoint, load_model_weights, save_checkpoint, unwrap_model
+from engine.config import ModelConfig
 from engine.config import Config, from_dict, to_dict
 
 
@@ -118,3 +119,21 @@ def test_unwrap_model_strips_wrappers(tmp_path):
         assert list(unwrap_model(ddp).state_dict()) == ["weight", "bias"]
     finally:
         dist.destroy_process_group()
+
+
+def test_load_model_weights_is_strict_with_a_one_line_reason():
+    source = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    target = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    saved, asked = ModelConfig(), ModelConfig(backbone="resnet18")
+    load_model_weights(target, source.state_dict(), checkpoint="c.pt", saved_model_cfg=saved, model_cfg=saved)
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+    wider = nn.Sequential(nn.Conv2d(3, 5, 1), nn.BatchNorm2d(5))
+    with pytest.raises(ValueError, match=r"c.pt.*model.backbone=resnet50.*model.backbone=resnet18.*shape mismatch") as error:
+        load_model_weights(wider, source.state_dict(), checkpoint="c.pt", saved_model_cfg=saved, model_cfg=asked)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="1 missing tensor.*1.weight"):
+        load_model_weights(target, {k: v for k, v in source.state_dict().items() if k != "1.weight"},
+                           checkpoint="c.pt", saved_model_cfg=saved, model_cfg=saved)
+    with pytest.raises(ValueError, match="unexpected tensor.*extra"):
+        load_model_weights(target, {**source.state_dict(), "extra": torch.zeros(1)}, checkpoint="c.pt",
+                           saved_model_cfg=saved, model_cfg=saved)

@@ -1,0 +1,150 @@
+"""Run a trained checkpoint on your own images: color masks and overlays, any image size.
+
+    python scripts/predict.py --checkpoint runs/voc/best.pt --input photo.jpg --output out/
+    python scripts/predict.py --checkpoint runs/cityscapes/best.pt --input frames/ --output out/ --mode slide
+
+For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored
+with the dataset palette) and <output>/<name>_overlay.png (the image blended with the colors). With a
+folder, images are found recursively and the subfolders are kept. The image goes through the same
+normalization as training (data.transforms.normalize_batch) and engine.inference.predict; masks are at
+the original resolution (data.base_size > 0 predicts at that long side, then resizes the logits back).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+logger = logging.getLogger("predict")
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Predict segmentation masks for images with a trained checkpoint.")
+    parser.add_argument("--checkpoint", required=True, help="a .pt file written by train.py")
+    parser.add_argument("--input", required=True, help="an image file or a folder of images (searched recursively)")
+    parser.add_argument("--output", required=True, help="folder for <name>_mask.png and <name>_overlay.png")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--mode", choices=("whole", "slide"), help="default: the checkpoint's eval.mode")
+    parser.add_argument("--scales", help="comma-separated test scales (default: the checkpoint's eval.scales)")
+    parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None, help="flip TTA")
+    parser.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colors, 0..1")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, e.g. eval.crop_size=769 eval.stride=512 data.base_size=1024")
+    return parser.parse_intermixed_args(argv)
+
+
+def find_images(path: Path) -> list[tuple[Path, Path]]:
+    """(image file, output stem relative to the output folder) for a file or a folder (recursive)."""
+    if path.is_file():
+        return [(path, Path(path.stem))]
+    if not path.is_dir():
+        raise FileNotFoundError(f"--input '{path}' is neither an image file nor a folder")
+    images = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not images:
+        raise FileNotFoundError(f"--input '{path}' holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    return [(image, image.relative_to(path).with_suffix("")) for image in images]
+
+
+def palette_for(dataset: str, num_classes: int) -> Any:
+    """The dataset's palette without opening the dataset (its files may not exist here)."""
+    from data import bit_palette
+
+    if dataset == "cityscapes":
+        from data.cityscapes import CITYSCAPES_PALETTE
+
+        if len(CITYSCAPES_PALETTE) == num_classes:
+            return CITYSCAPES_PALETTE
+    return bit_palette(num_classes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        count = run(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"predict.py: error: {error}", file=sys.stderr)
+        return 2
+    logger.info("wrote masks and overlays for %d image(s) to %s", count, args.output)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from PIL import Image
+
+    from data import palette_image
+    from data.base import read_image
+    from data.transforms import normalize_batch
+    from engine.checkpoint import load_checkpoint, load_model_weights
+    from engine.config import build_config, from_dict, parse_overrides
+    from engine.inference import predict
+    from model.builder import build_model
+
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"--alpha {args.alpha} must lie in [0, 1]")
+    images = find_images(Path(args.input))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
+    payload = load_checkpoint(args.checkpoint)
+    saved = from_dict(payload["config"], source=f"checkpoint '{args.checkpoint}'")
+    values: dict[str, Any] = {"model.pretrained_backbone": "none", "model.init_checkpoint": ""}
+    values.update(parse_overrides(args.overrides))
+    if args.mode is not None:
+        values["eval.mode"] = args.mode
+    if args.scales is not None:
+        values["eval.scales"] = args.scales
+    if args.flip is not None:
+        values["eval.flip"] = args.flip
+    config = build_config(values, source="command line", base=saved)
+    classes = [str(name) for name in payload["classes"]]
+    model = build_model(config.model, len(classes))
+    load_model_weights(model, payload.pop("model"), checkpoint=args.checkpoint, saved_model_cfg=saved.model,
+                       model_cfg=config.model)
+    model.to(device).eval()
+    palette = np.asarray(palette_for(config.data.dataset, len(classes)), dtype=np.uint8)
+    eval_cfg, base_size = config.eval, config.data.base_size
+    output = Path(args.output)
+    for image_path, stem in images:
+        image = read_image(image_path)  # H x W x 3 uint8 RGB; BadSampleError (a ValueError) if unreadable
+        height, width = image.shape[:2]
+        batch = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].to(device)
+        inputs = normalize_batch(batch, config.data.mean, config.data.std)
+        if base_size > 0 and max(height, width) != base_size:
+            scale = base_size / max(height, width)
+            size = (max(1, round(height * scale)), max(1, round(width * scale)))
+            inputs = F.interpolate(inputs, size=size, mode="bilinear", align_corners=False)
+        with torch.inference_mode():
+            logits = predict(model, inputs, num_classes=len(classes), mode=eval_cfg.mode, crop_size=eval_cfg.crop_size,
+                             stride=eval_cfg.stride, scales=eval_cfg.scales, flip=eval_cfg.flip)
+            if logits.shape[-2:] != (height, width):
+                logits = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)
+        labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()
+        target = output / stem
+        target.parent.mkdir(parents=True, exist_ok=True)
+        palette_image(labels, palette).save(target.with_name(f"{target.name}_mask.png"))
+        overlay = (1 - args.alpha) * image.astype(np.float32) + args.alpha * palette[labels].astype(np.float32)
+        Image.fromarray(np.clip(np.rint(overlay), 0, 255).astype(np.uint8)).save(
+            target.with_name(f"{target.name}_overlay.png"))
+        present = ", ".join(classes[index] for index in np.unique(labels))
+        logger.info("%s (%dx%d): %s", image_path, width, height, present)
+    return len(images)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
