@@ -24,6 +24,7 @@ TINY = [
     "data.synthetic_train_size=16", "data.synthetic_val_size=6", "data.num_workers=0",
     "model.backbone=resnet18", "model.head_channels=16", "model.aspp_rates=1", "model.channels_last=false",
     "train.batch_size=4", "train.warmup_iters=1", "train.log_interval=1", "train.amp=off", "train.iters=4",
+    "train.optimizer=sgd", "train.lr=0.01", "train.head_lr_mult=10",
     "train.val_interval=4", "train.ckpt_interval=100", "eval.batch_size=2",
 ]
 
