@@ -226,3 +226,28 @@ def test_eval_reproduces_training_validation(tmp_path, capsys):
         assert record[key] == pytest.approx(validation[key], abs=1e-12), key
     assert {name: s["iou"] for name, s in record["per_class"].items() if s["iou"] is not None} == \
         pytest.approx(validation["iou"], abs=1e-12)
+
+
+@pytest.mark.slow
+def test_torchrun_shards_equal_single_process(synthetic_checkpoint, tmp_path):
+    """2 gloo processes on 5 images (3 + 2): the same metrics as one process, each image counted and
+    saved once."""
+    path = synthetic_checkpoint[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = ["--checkpoint", str(path), "--no-progress", "data.synthetic_val_size=5"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run([*torchrun, str(ROOT / "eval.py"), *common, "--output", str(tmp_path / "ddp.json"),
+                             "--save-predictions", str(tmp_path / "pred")],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = subprocess.run([sys.executable, str(ROOT / "eval.py"), *common, "--device", "cpu",
+                             "--output", str(tmp_path / "single.json")],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sharded = json.loads((tmp_path / "ddp.json").read_text())
+    single = json.loads((tmp_path / "single.json").read_text())
+    assert sharded["world_size"] == 2 and sharded["num_images"] == single["num_images"] == 5
+    assert sharded["num_pixels"] == single["num_pixels"]
+    assert sharded["iou"] == single["iou"] and sharded["miou"] == single["miou"]
+    assert sorted(p.name for p in (tmp_path / "pred" / "labels").iterdir()) == \
+        [f"synthetic_{index:05d}.png" for index in range(5)]
