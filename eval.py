@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides on top of the checkpoint's config, e.g. data.root=/data/VOC2012")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before, between or after the options
 
 
 def resolve_config(args: argparse.Namespace, payload: dict[str, Any]):
@@ -156,6 +156,9 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     device = _device(args, dist_info)
     payload = load_checkpoint(args.checkpoint)
     config = resolve_config(args, payload)
+    if config.eval.mode == "slide" and config.eval.stride > config.eval.crop_size:
+        raise ValueError(f"eval.stride={config.eval.stride} > eval.crop_size={config.eval.crop_size} would leave "
+                         "pixels between the sliding windows uncovered; use a stride <= the crop size")
     saved_model_cfg = from_dict(payload["config"]).model
     split = args.split or config.data.val_split
     dataset = build_dataset(config.data, split, train=False)

@@ -133,6 +133,8 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     (["model.head_channels=16"], "shape mismatch"),
     (["data.num_classes=4"], "predicts 6 classes"),
     (["no.such_key=1"], "unknown config key"),
+    (["--mode", "slide", "eval.crop_size=32", "eval.stride=40"], "eval.stride=40 > eval.crop_size=32"),
+    (["--split", "nonexistent", "data.dataset=voc", "data.root=/nonexistent/voc"], "/nonexistent/voc"),
 ])
 def test_mismatches_are_one_line_errors(synthetic_checkpoint, capsys, overrides, message):
     cli = _load_cli()
