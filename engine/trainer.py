@@ -276,6 +276,8 @@ def _find_seedable(obj: Any, depth: int = 3, seen: set[int] | None = None) -> li
     seen = set() if seen is None else seen
     if id(obj) in seen or depth < 0 or isinstance(obj, (str, bytes, int, float, np.ndarray, torch.Tensor)):
         return []
+    if isinstance(obj, (list, tuple, dict)) and len(obj) > 64:  # a list of samples, not of transforms
+        return []
     seen.add(id(obj))
     if callable(getattr(obj, "set_random_seed", None)) and not isinstance(obj, type):
         return [obj]  # a Compose seeds its children itself
@@ -374,6 +376,8 @@ class MetricsLog:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.writer = None
+        self.run_dir = run_dir
+        self._purge_step = resume_iteration + 1 if resume_iteration else None
         if not enabled:
             return
         if resume_iteration is not None and self.path.is_file():
@@ -381,22 +385,27 @@ class MetricsLog:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("iteration", 0) <= resume_iteration]
             self.path.write_text("".join(line + "\n" for line in kept))
-        from torch.utils.tensorboard import SummaryWriter  # heavy import, only where logs are written
+        self._open()
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"),
-                                    purge_step=resume_iteration + 1 if resume_iteration else None)
+    def _open(self) -> Any:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # heavy import, only where logs are written
+
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self._purge_step)
+            self._purge_step = None
+        return self.writer
 
     def scalars(self, record: dict[str, Any], *, step: int, prefix: str) -> None:
         if not self.enabled:
             return
         for key, value in _flat_numbers(record):
-            self.writer.add_scalar(f"{prefix}/{key}", value, step)
+            self._open().add_scalar(f"{prefix}/{key}", value, step)
         with self.path.open("a") as file:
             file.write(json.dumps({"type": prefix, "iteration": step, **record}) + "\n")
 
     def image(self, tag: str, image: np.ndarray, *, step: int) -> None:
         if self.enabled:
-            self.writer.add_image(tag, image, step, dataformats="HWC")
+            self._open().add_image(tag, image, step, dataformats="HWC")
 
     def flush(self) -> None:
         if self.writer is not None:
@@ -564,6 +573,7 @@ class Trainer:
             generator=torch.Generator().manual_seed(train_cfg.seed),
         )
         self.vis_indices = list(range(min(train_cfg.num_vis_images, len(self.val_set))))
+        self._batch_stream: Iterator[tuple[int, Any]] | None = None
 
         if rng_state is not None:
             self._restore_rng(rng_state)
@@ -746,10 +756,13 @@ class Trainer:
         self.scheduler.step()
         return loss.detach()
 
-    def fit(self) -> TrainResult:
+    def fit(self, *, stop_at: int | None = None) -> TrainResult:
+        """Train up to `stop_at` (default: the constructor's, else train.iters); may be called again
+        with a later `stop_at` to continue the same data stream."""
         train_cfg = self.config.train
         total = train_cfg.iters
-        stop_at = min(total, self.stop_at) if self.stop_at is not None else total
+        stop_at = stop_at if stop_at is not None else self.stop_at
+        stop_at = min(total, stop_at) if stop_at is not None else total
         result = TrainResult(best_miou=self.best_miou, iteration=self.iteration)
         if self.iteration >= stop_at:
             logger.info("nothing to do: iteration %d already >= %d", self.iteration, stop_at)
@@ -768,7 +781,9 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=stop_at, initial=self.iteration, dynamic_ncols=True, desc="train")
-        batches = self._batches()
+        if self._batch_stream is None:
+            self._batch_stream = self._batches()
+        batches = self._batch_stream
         reason = "finished"
         with _StopSignal() as stop_signal:
             try:
@@ -828,7 +843,6 @@ class Trainer:
                 if bar is not None:
                     bar.close()
                 self.log.close()
-                del batches
         if reason != "signal" and self.iteration < total:
             reason = "stopped"
         result.reason = reason
@@ -856,7 +870,10 @@ class Trainer:
         recent = [result.losses[i] for i in range(self.iteration - interval + 1, self.iteration + 1)
                   if i in result.losses]
         loss = sum(recent) / max(1, len(recent))
-        lrs = {name: group["lr"] for name, group in zip(self.group_names, self.optimizer.param_groups)}
+        # the rate the last step used (the optimizer already holds the next one)
+        factor = poly_warmup_factor(self.iteration - 1, total_iters=self.scheduler.total_iters,
+                                    power=self.scheduler.power, warmup_iters=self.scheduler.warmup_iters)
+        lrs = {name: group["initial_lr"] * factor for name, group in zip(self.group_names, self.optimizer.param_groups)}
         record = {
             "loss": loss,
             "lr": lrs,

@@ -68,6 +68,12 @@ def test_training_writes_checkpoints_events_metrics_and_eval_reproduces_val_miou
     val = {r["iteration"]: r for r in records if r["type"] == "val"}
     assert sorted(val) == [2, 4] and sorted(train_losses(run_dir)) == [1, 2, 3, 4]
     assert best["best_miou"] == pytest.approx(max(v["miou"] for v in val.values()))
+    from engine.trainer import poly_warmup_factor
+
+    for record in (r for r in records if r["type"] == "train"):  # the rate each logged step used
+        factor = poly_warmup_factor(record["iteration"] - 1, total_iters=4, power=0.9, warmup_iters=2)
+        assert record["lr"]["backbone"] == pytest.approx(1e-3 * factor, rel=1e-9)
+        assert record["lr"]["head"] == pytest.approx(1e-3 * factor, rel=1e-9)  # demo: head_lr_mult 1
 
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
     events.Reload()
