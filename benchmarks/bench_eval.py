@@ -11,12 +11,13 @@ All variants must produce the same matrix (checked). Target (issue 4): ours_int6
 Inference: engine.inference.predict with a small DeepLabV3+ / ResNet-18, mode whole vs slide (and
 slide + flip), images/s.
 
-    python benchmarks/bench_eval.py [--rounds 7] [--threads N] [--device cpu] [--output PATH]
+    python benchmarks/bench_eval.py [--rounds 7] [--threads 1] [--device cpu|cuda] [--output PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -133,7 +134,10 @@ def bench_inference(rounds: int, device: torch.device, *, height: int, width: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1, like numpy's single-threaded bincount; 0 = torch's "
+                             "default). On a loaded machine more threads than free cores make every parallel op "
+                             "wait for a descheduled thread, which swamps these millisecond-scale kernels")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--height", type=int, default=256)
     parser.add_argument("--width", type=int, default=512)
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stride", type=int, default=171)
     parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" / "bench_eval.json"))
     args = parser.parse_args(argv)
-    if args.threads:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     confusion = bench_confusion(args.rounds, device)
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                                 crop=args.crop, stride=args.stride)
 
     print(f"confusion matrix update, batch {confusion['batch']}, {confusion['num_classes']} classes, "
-          f"{args.rounds} interleaved rounds, {torch.get_num_threads()} thread(s), {device}")
+          f"{args.rounds} interleaved rounds, {torch.get_num_threads()} thread(s), {device}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'variant':<16} {'median ms':>10} {'x numpy':>9}")
     for name, row in confusion["variants"].items():
         print(f"{name:<16} {row['median_ms']:10.2f} {row['speedup_vs_numpy']:9.2f}")
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "cpu_count": os.cpu_count(),
         "confusion_matrix": confusion,
         "inference": inference,
     }
