@@ -44,6 +44,7 @@ class RandomScaleCrop(DualTransform):
         self,
         crop_size: int,
         scale_range: tuple[float, float] = (0.5, 2.0),
+        *,
         fill: float = 0.0,
         fill_mask: float = IGNORE_INDEX,
         p: float = 1.0,
