@@ -189,12 +189,14 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
             to_label_ids = TRAINID_TO_LABELID
         from PIL import Image
 
-        def on_batch(batch_index: int, predictions: torch.Tensor, masks: torch.Tensor) -> None:
+        def save_batch(batch_index: int, predictions: torch.Tensor, masks: torch.Tensor) -> None:
             for index, prediction in zip(batches[batch_index], predictions.numpy().astype(np.uint8)):
                 name = dataset.name_of(index)
                 palette_image(prediction, palette).save(color_dir / f"{name}.png")
                 labels = to_label_ids[prediction] if to_label_ids is not None else prediction
-                Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint8), mode="L").save(label_dir / f"{name}.png")
+                Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint8)).save(label_dir / f"{name}.png")
+
+        on_batch = save_batch
 
     eval_cfg = config.eval
     amp = args.amp or config.train.amp
