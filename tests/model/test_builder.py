@@ -199,3 +199,37 @@ def test_importing_the_package_is_light():
             "assert 'model.builder' not in sys.modules and 'torchvision' not in sys.modules, sorted(sys.modules); "
             "assert callable(model.build_model)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize("source_norm,target_norm", [("syncbn", "frozen_bn"), ("frozen_bn", "syncbn"), ("bn", "syncbn")])
+def test_checkpoints_load_across_norm_choices(source_norm, target_norm):
+    """Same state-dict keys whatever the norm (FrozenBatchNorm2d just has no num_batches_tracked)."""
+    torch.manual_seed(0)
+    source = build_model(small(norm=source_norm), 4)
+    with torch.no_grad():
+        source.backbone.bn1.running_mean.uniform_(-1, 1)
+    target = build_model(small(norm=target_norm), 4)
+    assert load_segmentation_weights(target, source.state_dict()) == []
+    assert torch.equal(target.backbone.bn1.running_mean, source.backbone.bn1.running_mean)
+    x = torch.randn(1, 3, 33, 35)
+    with torch.no_grad():
+        torch.testing.assert_close(target.eval()(x)["out"], source.eval()(x)["out"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_channels_last_mixed_precision_training_step():
+    torch.manual_seed(0)
+    model = build_model(small(aux_loss=True, channels_last=True), 4).cuda().train()
+    reference = build_model(small(aux_loss=True), 4).train()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 65, 63)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        result = model(x.cuda())
+    assert result["out"].shape == (2, 4, 65, 63) and torch.isfinite(result["out"].float()).all()
+    (result["out"].float().mean() + result["aux"].float().mean()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    model.eval()
+    reference.load_state_dict(model.state_dict())  # running statistics after the step
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # full fp32 convs
+        torch.testing.assert_close(model(x.cuda())["out"].cpu(), reference.eval()(x)["out"], atol=1e-3, rtol=1e-3)
