@@ -113,18 +113,18 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
         "plain": [],
         "scale1": ["--scales", "1.0"],
         "bigslide": ["--mode", "slide", "eval.crop_size=64", "eval.stride=32"],
-        "tta": ["--mode", "slide", "eval.crop_size=32", "eval.stride=16", "--scales", "0.75,1.0", "--flip"],
+        "tta": ["--mode", "slide", "eval.crop_size=40", "eval.stride=24", "--scales", "0.75,1.0", "--flip"],
     }.items():
         output = tmp_path / f"{label}.json"
         assert cli.main(["--checkpoint", str(path), "--device", "cpu", "--no-progress", "--output", str(output),
-                         *flags]) == 0
+                         "data.synthetic_val_size=2", *flags]) == 0
         runs[label] = json.loads(output.read_text())
     capsys.readouterr()
     assert runs["scale1"]["iou"] == runs["plain"]["iou"]
     assert runs["bigslide"]["iou"] == runs["plain"]["iou"]  # window larger than the 48 px images
-    assert runs["tta"]["protocol"] == {"mode": "slide", "crop_size": 32, "stride": 16, "scales": [0.75, 1.0],
+    assert runs["tta"]["protocol"] == {"mode": "slide", "crop_size": 40, "stride": 24, "scales": [0.75, 1.0],
                                        "flip": True, "base_size": 0, "amp": "off"}
-    assert runs["tta"]["num_images"] == 3
+    assert runs["tta"]["num_images"] == 2
 
 
 @pytest.mark.parametrize("overrides,message", [
