@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config, dist_info, resume=resume, stop_at=args.stop_at)
         del resume
         result = trainer.fit()
+        trainer.close()
     except (ValueError, FileNotFoundError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         cleanup()

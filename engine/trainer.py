@@ -756,9 +756,10 @@ class Trainer:
         self.scheduler.step()
         return loss.detach()
 
-    def fit(self, *, stop_at: int | None = None) -> TrainResult:
+    def fit(self, *, stop_at: int | None = None, save_at_stop: bool = True) -> TrainResult:
         """Train up to `stop_at` (default: the constructor's, else train.iters); may be called again
-        with a later `stop_at` to continue the same data stream."""
+        with a later `stop_at` to continue the same data stream. last.pt is written every
+        train.ckpt_interval, at train.iters, on a signal, and at `stop_at` unless save_at_stop=False."""
         train_cfg = self.config.train
         total = train_cfg.iters
         stop_at = stop_at if stop_at is not None else self.stop_at
@@ -798,7 +799,7 @@ class Trainer:
                     pending.append((self.iteration, loss))
                     it = self.iteration
                     want_val = it % train_cfg.val_interval == 0 or it == total
-                    want_ckpt = it % train_cfg.ckpt_interval == 0 or it == stop_at
+                    want_ckpt = it % train_cfg.ckpt_interval == 0 or it == total or (it == stop_at and save_at_stop)
                     if it % train_cfg.log_interval == 0 or want_val or want_ckpt or it == stop_at:
                         self._flush_losses(pending, result)
                         pending = []
@@ -839,16 +840,25 @@ class Trainer:
                         logger.warning("stopped by signal at iteration %d; last.pt saved, resume with "
                                        "--resume auto", it)
                         break
+            except BaseException:
+                self.log.close()
+                raise
             finally:
                 if bar is not None:
                     bar.close()
-                self.log.close()
+                self.log.flush()
         if reason != "signal" and self.iteration < total:
             reason = "stopped"
+        if reason != "stopped":
+            self.log.close()
         result.reason = reason
         result.iteration = self.iteration
         result.best_miou = self.best_miou
         return result
+
+    def close(self) -> None:
+        """Close the TensorBoard writer (fit closes it itself when training ends or fails)."""
+        self.log.close()
 
     def _flush_losses(self, pending: list[tuple[int, torch.Tensor]], result: TrainResult) -> None:
         if not pending:

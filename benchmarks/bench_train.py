@@ -1,0 +1,115 @@
+"""Overhead of the training loop: full `Trainer.fit` vs a bare forward + backward + optimizer step.
+
+Both run in one process on the same model, interleaved in rounds: a round trains `--iters` iterations
+with the full loop (data loading through the DataLoader and its workers, loss, AMP, LR schedule, loss
+flushing, TensorBoard + metrics.jsonl logging), then the same number of bare steps on batches loaded
+beforehand (normalize, forward, cross-entropy, backward, step; no data loading, no logging). Validation
+and checkpoints are outside the timed window. Reports per-round seconds per iteration, the paired
+ratio full / bare per round and their medians; target ratio <= 1.10.
+
+    python benchmarks/bench_train.py [--config demo.yaml] [--rounds 5] [--iters 20] [--threads 2] [KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="demo.yaml")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20, help="iterations per round and variant")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed full-loop iterations first")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave as is)")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "bench_train.json"))
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    import torch
+    import torch.nn.functional as F
+
+    from data.transforms import normalize_batch
+    from engine.config import load_config
+    from engine.distributed import setup_distributed
+    from engine.trainer import Trainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    total = args.warmup + args.rounds * args.iters
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(args.config, [
+            f"output_dir={run_dir}", f"train.iters={total + 1}", f"train.val_interval={10 * total}",
+            f"train.ckpt_interval={10 * total}", *args.overrides,
+        ])
+        dist_info = setup_distributed(None)
+        trainer = Trainer(config, dist_info, progress=False)
+        device, data_cfg = trainer.device, config.data
+        # the bare loop's batches: loaded up front, outside any timing
+        bare_batches = []
+        for _, batch in zip(range(args.iters), trainer._batches()):
+            bare_batches.append(batch[1])
+        trainer.fit(stop_at=args.warmup, save_at_stop=False)
+
+        def bare_steps() -> None:
+            for images, masks in bare_batches:
+                images, masks = images.to(device), masks.to(device)
+                inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
+                if config.model.channels_last:
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+                with trainer._autocast():
+                    logits = trainer.train_model(inputs)["out"]
+                loss = F.cross_entropy(logits.float(), masks, ignore_index=trainer.ignore_index)
+                trainer.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                trainer.optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        rows = []
+        for round_index in range(args.rounds):
+            start = time.perf_counter()
+            trainer.fit(stop_at=trainer.iteration + args.iters, save_at_stop=False)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            full = (time.perf_counter() - start) / args.iters
+            start = time.perf_counter()
+            bare_steps()
+            bare = (time.perf_counter() - start) / args.iters
+            rows.append({"round": round_index, "full_s_per_iter": full, "bare_s_per_iter": bare, "ratio": full / bare})
+
+    full_median = statistics.median(r["full_s_per_iter"] for r in rows)
+    bare_median = statistics.median(r["bare_s_per_iter"] for r in rows)
+    ratio_median = statistics.median(r["ratio"] for r in rows)
+    print(f"config {args.config} {' '.join(args.overrides)}; device {device}; torch threads {torch.get_num_threads()}; "
+          f"batch {config.train.batch_size}, crop {config.data.crop_size}, amp {config.train.amp}, "
+          f"workers {config.data.num_workers}, {args.iters} iterations per round")
+    print(f"{'round':>5}  {'full s/iter':>11}  {'bare s/iter':>11}  {'full/bare':>9}")
+    for r in rows:
+        print(f"{r['round']:>5}  {r['full_s_per_iter']:>11.4f}  {r['bare_s_per_iter']:>11.4f}  {r['ratio']:>9.3f}")
+    print(f"{'median':>5}  {full_median:>11.4f}  {bare_median:>11.4f}  {ratio_median:>9.3f}   (target <= 1.10)")
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({
+        "config": args.config, "overrides": args.overrides, "device": str(device),
+        "threads": torch.get_num_threads(), "iters_per_round": args.iters, "rounds": rows,
+        "median_full_s_per_iter": full_median, "median_bare_s_per_iter": bare_median,
+        "median_paired_ratio": ratio_median,
+    }, indent=2))
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
