@@ -26,3 +26,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Train the CPU demo (synthetic shapes, configs/demo.yaml), then evaluate its best checkpoint with eval.py
+# (prints the per-class table). Runs in runs/demo/.
+.PHONY: demo
+demo: $(STAMP)
+	$(PY) train.py --config demo.yaml
+	$(PY) eval.py --checkpoint runs/demo/best.pt

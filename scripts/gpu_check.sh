@@ -27,5 +27,24 @@ timeout 150 "$py" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" "${cuda
 timeout 90 "$py" benchmarks/bench_syncbn.py --device cuda --skip-distributed --repeats 30 \
   --output "$out/bench_syncbn_cuda.json" 2>&1 | tee "$out/bench_syncbn_cuda.txt" || status=1
 
+# Training (issue 6): 100 iterations of the demo on GPU 0 with fp16 AMP + GradScaler, then the same as
+# a 2-process torchrun (NCCL, SyncBN through torch.distributed) when there are 2 GPUs. Needs the
+# runtime requirements (albumentations, tensorboard, ...), not only torch.
+train_args=(train.iters=100 train.amp=fp16 train.val_interval=100 train.ckpt_interval=100 train.log_interval=20
+            data.num_workers=4 data.synthetic_train_size=1000 data.synthetic_val_size=50)
+if "$py" -c "import albumentations, cv2, tensorboard, yaml" 2>/dev/null; then
+  timeout 150 "$py" train.py --config demo.yaml --gpus 0 output_dir="$out/train_gpu0" "${train_args[@]}" \
+    2>&1 | tee "$out/train_gpu0.txt" || status=1
+  if [ "$("$py" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    timeout 150 "$py" -m torch.distributed.run --standalone --nproc_per_node 2 train.py --config demo.yaml \
+      output_dir="$out/train_ddp2" "${train_args[@]}" 2>&1 | tee "$out/train_ddp2.txt" || status=1
+  else
+    echo "train: 1 GPU, 2-process torchrun skipped" | tee "$out/train_ddp2.txt"
+  fi
+else
+  echo "train: FAILED to import the runtime requirements (pip install -r requirements.txt)" | tee "$out/train_gpu0.txt"
+  status=1
+fi
+
 echo "gpu_check finished with status $status; results in $out"
 exit $status
