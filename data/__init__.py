@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -65,14 +64,13 @@ def build_dataset(data_cfg: Any, split: str, *, train: bool) -> Dataset:
 
 
 def seed_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: seed numpy and `random` from the worker's torch seed; one cv2 thread.
+    """DataLoader worker_init_fn: seed numpy and `random` from the worker's torch seed.
 
     torch already gives each worker its own seed (base seed + worker id, the base drawn from the
     loader's generator), and the pipelines draw their randomness from torch; this extends the same
-    per-worker seed to numpy / random for any user code in the worker. Workers already run in
-    parallel, so cv2 is limited to one thread per worker (as torch is) to avoid oversubscription.
+    per-worker seed to numpy / random for any user code in the worker. It deliberately does not call
+    cv2.setNumThreads: in a forked worker whose parent already ran cv2's thread pool that call hangs.
     """
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
-    cv2.setNumThreads(1)

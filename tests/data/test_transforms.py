@@ -195,12 +195,16 @@ class _NumpyDraws(Dataset):
         return torch.tensor(np.random.random())
 
 
-def test_seed_worker_gives_numpy_per_worker_streams():
+def test_seed_worker_after_parent_used_cv2_threads_and_is_reproducible():
+    # Regression: calling cv2.setNumThreads in a forked worker hangs once the parent has run cv2's
+    # thread pool (as the training process does); the loader's timeout turns a hang into a failure.
+    cv2.GaussianBlur(np.zeros((600, 800, 3), dtype=np.uint8), (0, 0), 4)
+
     def draws():
         loader = DataLoader(_NumpyDraws(), batch_size=1, num_workers=2, worker_init_fn=data.seed_worker,
-                            generator=torch.Generator().manual_seed(0))
+                            generator=torch.Generator().manual_seed(0), timeout=60)
         return [float(x) for x in loader]
 
     first = draws()
-    assert first[0] != first[1]  # worker 0 and worker 1 start from different numpy states
+    assert first[0] != first[1]  # worker 0 and worker 1 draw from different numpy states
     assert first == draws()  # reproducible from the loader's generator
