@@ -191,3 +191,25 @@ def test_bad_command_lines_exit_nonzero_with_one_line_reason(args, fragment, tmp
     assert error_lines[0].startswith("train.py: error:") and fragment in error_lines[0]
     assert "Traceback" not in process.stderr
     assert not (tmp_path / "run" / "last.pt").exists()
+
+
+@pytest.mark.slow
+def test_init_checkpoint_fine_tunes_with_a_new_class_count(tmp_path, caplog):
+    from engine.config import load_config
+    from engine.distributed import DistInfo
+    from engine.trainer import Trainer
+
+    source = tmp_path / "source"
+    config = load_config("demo.yaml", [f"output_dir={source}", *TINY, "train.iters=1", "train.val_interval=100"])
+    Trainer(config, DistInfo(), progress=False).fit()
+    saved = torch.load(source / "last.pt", weights_only=True)["model"]
+
+    config = load_config("demo.yaml", [f"output_dir={tmp_path / 'tuned'}", *TINY, "train.iters=1",
+                                       f"model.init_checkpoint={source / 'last.pt'}", "data.num_classes=4"])
+    with caplog.at_level("INFO"):
+        trainer = Trainer(config, DistInfo(), progress=False)
+    state = trainer.model.state_dict()
+    differing = [k for k in saved if saved[k].shape != state[k].shape]
+    assert differing and all(k.startswith("classifier") for k in differing)
+    assert all(torch.equal(saved[k], state[k]) for k in saved if k not in differing)
+    assert any("skipped" in record.getMessage() for record in caplog.records)
