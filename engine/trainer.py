@@ -111,7 +111,7 @@ class SegmentationLoss(nn.Module):
 
     def terms(self, outputs: Mapping[str, torch.Tensor], target: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         heads = {"out": outputs["out"]}
-        if "aux" in outputs and self.aux_weight > 0:
+        if "aux" in outputs:  # even at weight 0: DDP expects a gradient for every parameter
             heads["aux"] = outputs["aux"]
         return {name: self.head_terms(logits, target) for name, logits in heads.items()}
 
