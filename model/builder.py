@@ -31,14 +31,15 @@ NORMS = ("syncbn", "bn", "frozen_bn")
 
 def _build_deeplabv3_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
                           norm_layer: Callable[[int], nn.Module]) -> nn.Module:
-    return DeepLabV3Head(backbone.out_channels, num_classes, rates, channels=channels, norm_layer=norm_layer)
+    return DeepLabV3Head(backbone.out_channels, num_classes, atrous_rates=rates, channels=channels,
+                         norm_layer=norm_layer)
 
 
 def _build_deeplabv3plus_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
                               norm_layer: Callable[[int], nn.Module]) -> nn.Module:
     return DeepLabV3PlusHead(
-        backbone.out_channels, backbone.low_level_channels, num_classes, rates, channels=channels,
-        norm_layer=norm_layer,
+        backbone.out_channels, num_classes, low_level_channels=backbone.low_level_channels, atrous_rates=rates,
+        channels=channels, norm_layer=norm_layer,
     )
 
 
@@ -91,7 +92,7 @@ def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
     classifier = HEADS[arch](backbone, num_classes, rates, channels, head_norm)
     aux_classifier = FCNHead(backbone.aux_channels, num_classes, norm_layer=head_norm) if model_cfg.aux_loss else None
     channels_last = bool(getattr(model_cfg, "channels_last", False))
-    model = DeepLab(backbone, classifier, aux_classifier, channels_last=channels_last)
+    model = DeepLab(backbone, classifier, aux_classifier=aux_classifier, channels_last=channels_last)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     logger.info(

@@ -24,8 +24,8 @@ class DeepLab(nn.Module):
         self,
         backbone: nn.Module,
         classifier: nn.Module,
-        aux_classifier: Optional[nn.Module] = None,
         *,
+        aux_classifier: Optional[nn.Module] = None,
         channels_last: bool = False,
     ) -> None:
         super().__init__()

@@ -36,7 +36,7 @@ def aspp_rates_for(output_stride: int, rates: Sequence[int] = ()) -> tuple[int, 
 class ASPPConv(nn.Sequential):
     """3x3 atrous conv, norm, ReLU."""
 
-    def __init__(self, in_channels: int, out_channels: int, dilation: int, *, norm_layer: NormLayer) -> None:
+    def __init__(self, in_channels: int, out_channels: int, *, dilation: int, norm_layer: NormLayer) -> None:
         super().__init__(
             nn.Conv2d(in_channels, out_channels, 3, padding=dilation, dilation=dilation, bias=False),
             norm_layer(out_channels),
@@ -116,7 +116,7 @@ class ASPP(nn.Module):
         branches: list[nn.Module] = [
             nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, bias=False), norm_layer(out_channels), nn.ReLU())
         ]
-        branches += [ASPPConv(in_channels, out_channels, rate, norm_layer=norm_layer) for rate in atrous_rates]
+        branches += [ASPPConv(in_channels, out_channels, dilation=rate, norm_layer=norm_layer) for rate in atrous_rates]
         branches.append(ASPPPooling(in_channels, out_channels, norm_layer=norm_layer))
         self.convs = nn.ModuleList(branches)
         self.project = nn.Sequential(
@@ -137,8 +137,8 @@ class DeepLabV3Head(nn.Sequential):
         self,
         in_channels: int,
         num_classes: int,
-        atrous_rates: Sequence[int],
         *,
+        atrous_rates: Sequence[int],
         channels: int = 256,
         norm_layer: NormLayer = nn.BatchNorm2d,
     ) -> None:
@@ -167,10 +167,10 @@ class DeepLabV3PlusHead(nn.Module):
     def __init__(
         self,
         in_channels: int,
-        low_level_channels: int,
         num_classes: int,
-        atrous_rates: Sequence[int],
         *,
+        low_level_channels: int,
+        atrous_rates: Sequence[int],
         channels: int = 256,
         low_level_projection: int = 48,
         norm_layer: NormLayer = nn.BatchNorm2d,

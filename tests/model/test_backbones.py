@@ -43,7 +43,8 @@ def test_feature_strides_and_channels(name, output_stride):
         assert features[key].shape == (1, channels[key], 64 // stride, 96 // stride), key
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet34", "resnet50"])
+@pytest.mark.parametrize("name", ["resnet18", pytest.param("resnet34", marks=pytest.mark.slow),
+                                  pytest.param("resnet50", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("output_stride", [8, 16])
 def test_dilation_is_the_exact_atrous_conversion(name, output_stride):
     """Eval mode: the dilated network's features, subsampled, equal the undilated (stride 32) network's.

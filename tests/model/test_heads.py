@@ -99,7 +99,7 @@ def test_pooling_replica_with_one_image_still_synchronizes():
 def test_aspp_and_deeplabv3_head_equal_torchvision():
     torch.manual_seed(0)
     reference = tv_deeplabv3.DeepLabHead(32, 5, atrous_rates=(1, 2, 3)).eval()
-    ours = DeepLabV3Head(32, 5, (1, 2, 3)).eval()
+    ours = DeepLabV3Head(32, 5, atrous_rates=(1, 2, 3)).eval()
     assert list(ours.state_dict()) == list(reference.state_dict())
     ours.load_state_dict(reference.state_dict())
     x = torch.randn(2, 32, 9, 11)
