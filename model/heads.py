@@ -45,11 +45,14 @@ class ASPPConv(nn.Sequential):
 
 
 def _runs_alone(module: nn.Module, norm: nn.Module) -> bool:
-    """False when `norm` may synchronize with other devices: `module` is a DataParallel replica (torch's
-    replicate sets `_is_replica`), `norm` took part in a replication callback (synchronized BatchNorm
-    sets `_is_parallel`, also for replicas made another way), or torch.distributed runs >1 process."""
-    if getattr(module, "_is_replica", False) or getattr(norm, "_is_parallel", False):
+    """False when `norm` may synchronize with other devices: a synchronized BatchNorm that says so
+    (DataParallel replicas or a torch.distributed group of more than one process), or any norm inside a
+    torch DataParallel replica (torch's replicate sets `_is_replica`)."""
+    if getattr(module, "_is_replica", False):
         return False
+    synchronizes = getattr(norm, "synchronizes", None)
+    if synchronizes is not None:
+        return not synchronizes()
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 

@@ -292,6 +292,13 @@ class _SynchronizedBatchNorm(_BatchNorm):
             return self._sync_master.run_master
         return None
 
+    def synchronizes(self) -> bool:
+        """Whether a forward with batch statistics would now reduce over other replicas or processes.
+
+        All replicas of one step agree on it, so a caller may branch on it without risking a hang.
+        """
+        return self._thread_exchange() is not None or self._distributed_group() is not None
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         # Running-statistics bookkeeping exactly as nn.BatchNorm.
@@ -304,10 +311,9 @@ class _SynchronizedBatchNorm(_BatchNorm):
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
 
-        if use_batch_stats:
+        if use_batch_stats and self.synchronizes():
             exchange = self._thread_exchange()
-            if exchange is not None or self._distributed_group() is not None:
-                return self._forward_synchronized(input, exchange, average_factor, running_mean, running_var)
+            return self._forward_synchronized(input, exchange, average_factor, running_mean, running_var)
         return F.batch_norm(
             input, running_mean, running_var, self.weight, self.bias, use_batch_stats, average_factor, self.eps
         )

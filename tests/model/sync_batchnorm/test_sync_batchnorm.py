@@ -536,3 +536,16 @@ def test_no_distributed_means_plain_batch_norm_even_with_group_attribute():
     sync = SynchronizedBatchNorm2d(3)
     x = torch.randn(4, 3, 2, 2)
     assert torch.equal(sync(x), F.batch_norm(x, None, None, sync.weight, sync.bias, True, 0.1, sync.eps))
+
+
+def test_synchronizes_tells_whether_replicas_will_reduce_together():
+    from model.sync_batchnorm import execute_replication_callbacks
+
+    alone = SynchronizedBatchNorm2d(3)
+    assert not alone.synchronizes()
+    replicas = make_replicas(alone, 2)
+    execute_replication_callbacks(replicas)
+    assert all(r.synchronizes() for r in replicas)
+    single = make_replicas(alone, 1)
+    execute_replication_callbacks(single)  # one replica (e.g. the last, smallest batch): nothing to wait for
+    assert not single[0].synchronizes()
