@@ -60,6 +60,19 @@ def resolve_config(args: argparse.Namespace):
     return config, payload
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run."""
+    import shlex
+
+    parts = ["python", "train.py"]
+    parts += ["--config", args.config] if args.config else ["--resume", args.resume or ""]
+    if args.config:
+        parts += ["--resume", "auto"]
+    if args.gpus:
+        parts += ["--gpus", args.gpus]
+    return " ".join(shlex.quote(part) for part in parts + list(args.overrides))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine.distributed import cleanup, setup_distributed
@@ -94,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist_info.is_main:
         if result.reason == "signal":
             print(f"train.py: interrupted at iteration {result.iteration}; saved {config.run_dir / 'last.pt'}; "
-                  f"continue with: python train.py --config {args.config or '...'} --resume auto", file=sys.stderr)
+                  f"continue with: {resume_command(args)}", file=sys.stderr)
         best = f"best val mIoU {result.best_miou:.4f}" if result.best_miou >= 0 else "no validation yet"
         logger.info("done at iteration %d (%s); checkpoints in %s", result.iteration, best, config.run_dir)
     cleanup()
