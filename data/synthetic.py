@@ -1,11 +1,12 @@
 """Procedural shapes: the embedded default dataset (no files, deterministic, any image size).
 
-Each image is a textured background with 2-5 overlapping shapes of random class, scale, position and
+Each image is a textured background with 1-4 (possibly overlapping) shapes of random class, scale, position and
 rotation. The background and every shape draw their color AND texture (flat, linear gradient or
 low-frequency blotches) from one shared distribution, so a pixel's color says nothing about its class;
 only shape does. A shape's base color is kept at least `_MIN_COLOR_DISTANCE` (RGB) away from the
 colors already on the canvas so its outline stays visible, and per-pixel Gaussian noise covers the
-whole image. Sample `index` of split `split` is a pure function of (seed, split, index); different
+whole image. Shapes may overlap but their centers keep apart, so no shape is mostly hidden.
+Sample `index` of split `split` is a pure function of (seed, split, index); different
 splits use different random streams.
 """
 from __future__ import annotations
@@ -26,11 +27,13 @@ SHAPE_NAMES = ("disc", "rectangle", "triangle", "ring", "cross", "star", "hexago
 DEFAULT_NUM_CLASSES = 6  # background + the first five shapes
 MIN_IMAGE_SIZE = 16
 
-_MIN_SHAPES, _MAX_SHAPES = 2, 5
-_RADIUS_RANGE = (0.10, 0.28)  # shape radius as a fraction of the image side
-_MIN_COLOR_DISTANCE = 80.0
-_TEXTURE_AMPLITUDE = 40.0
-_NOISE_SIGMA_RANGE = (4.0, 12.0)
+_MIN_SHAPES, _MAX_SHAPES = 1, 4
+_RADIUS_RANGE = (0.14, 0.30)  # shape radius as a fraction of the image side
+_MIN_CENTER_DISTANCE = 0.75  # x (r1 + r2): shapes may overlap, but never hide most of another
+_PLACEMENT_TRIES = 10
+_MIN_COLOR_DISTANCE = 90.0
+_TEXTURE_AMPLITUDE = 30.0
+_NOISE_SIGMA_RANGE = (3.0, 9.0)
 _SUBPIXEL_SHIFT = 4  # cv2 fixed-point drawing: coordinates in 1/16 pixel
 
 Transform = Callable[[np.ndarray, np.ndarray], tuple[torch.Tensor, torch.Tensor]]
@@ -119,10 +122,17 @@ def render_shapes(
     mask = np.zeros((size, size), dtype=np.uint8)
     used = [background]
     layer = np.empty((size, size), dtype=np.uint8)
+    placed: list[tuple[np.ndarray, float]] = []
     for _ in range(rng.integers(_MIN_SHAPES, _MAX_SHAPES + 1)):
         label = int(rng.integers(1, num_classes))
         radius = size * rng.uniform(*_RADIUS_RANGE)
-        center = rng.uniform(0.1 * size, 0.9 * size, 2)
+        for _ in range(_PLACEMENT_TRIES):
+            center = rng.uniform(0.15 * size, 0.85 * size, 2)
+            if all(np.hypot(*(center - c)) >= _MIN_CENTER_DISTANCE * (radius + r) for c, r in placed):
+                break
+        else:
+            continue  # no room left for this shape
+        placed.append((center, radius))
         angle = rng.uniform(0, 2 * math.pi)
         layer.fill(0)
         _draw_shape(layer, SHAPE_NAMES[label - 1], center, radius, angle, rng)
