@@ -1,7 +1,7 @@
 """Procedural shapes: the embedded default dataset (no files, deterministic, any image size).
 
-Each image is a textured background with 1-4 (possibly overlapping) shapes of random class, scale, position and
-rotation. The background and every shape draw their color AND texture (flat, linear gradient or
+Each image is a textured background with 1-4 (possibly overlapping) shapes of random class, scale,
+position and rotation. The background and every shape draw their color AND texture (flat, linear gradient or
 low-frequency blotches) from one shared distribution, so a pixel's color says nothing about its class;
 only shape does. A shape's base color is kept at least `_MIN_COLOR_DISTANCE` (RGB) away from the
 colors already on the canvas so its outline stays visible, and per-pixel Gaussian noise covers the

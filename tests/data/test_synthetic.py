@@ -1,5 +1,6 @@
 import hashlib
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -43,19 +44,23 @@ def test_any_image_size_and_valid_labels(size):
         assert 0 <= int(mask.min()) and int(mask.max()) < dataset.num_classes
 
 
-def test_every_class_appears_with_overlaps_and_varied_scales():
+def test_every_class_appears_balanced_at_varied_scales():
     dataset = SyntheticShapes(60, 64)
     counts = np.zeros(dataset.num_classes, dtype=np.int64)
-    shapes_per_image = []
+    shapes_per_image, component_areas = [], []
     for index in range(len(dataset)):
         _, mask = dataset.load(index)
         counts += np.bincount(mask.ravel(), minlength=dataset.num_classes)
         shapes_per_image.append(len(np.unique(mask)) - 1)
+        for label in range(1, dataset.num_classes):
+            num, _, stats, _ = cv2.connectedComponentsWithStats((mask == label).astype(np.uint8))
+            component_areas += stats[1:num, cv2.CC_STAT_AREA].tolist()
     assert (counts > 0).all()
     # no class hogs the foreground: each shape class holds 5-40 % of the shape pixels
     shares = counts[1:] / counts[1:].sum()
     assert shares.min() > 0.05 and shares.max() < 0.4
     assert max(shapes_per_image) >= 3
+    assert np.percentile(component_areas, 90) > 3 * np.percentile(component_areas, 10)
 
 
 def test_class_names_palette_and_attributes():
