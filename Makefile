@@ -21,8 +21,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
+# Every benchmark: each prints its table and writes JSON under benchmarks/results/.
+BENCHMARKS := bench_syncbn bench_model bench_data bench_eval bench_train
 bench: $(STAMP)
-	$(PY) benchmarks/bench_syncbn.py
+	for name in $(BENCHMARKS); do $(PY) benchmarks/$$name.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache
