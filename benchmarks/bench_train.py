@@ -3,8 +3,9 @@
 Both run in one process on the same model, interleaved in rounds: a round trains `--iters` iterations
 with the full loop (data loading through the DataLoader and its workers, loss, AMP, LR schedule, loss
 flushing, TensorBoard + metrics.jsonl logging), then the same number of bare steps on batches loaded
-beforehand (normalize, forward, cross-entropy, backward, step; no data loading, no logging). Validation
-and checkpoints are outside the timed window. Reports per-round seconds per iteration, the paired
+beforehand (normalize, forward, cross-entropy, backward, step; no data loading, no logging), then
+`Trainer.train_step` on those batches (the engine's step without the input pipeline). Validation and
+checkpoints are outside the timed window. Reports per-round seconds per iteration, the paired
 ratio full / bare per round and their medians; target ratio <= 1.10.
 
     python benchmarks/bench_train.py [--config demo.yaml] [--rounds 5] [--iters 20] [--threads 2] [KEY=VALUE ...]
@@ -77,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
+        def engine_steps() -> None:
+            for images, masks in bare_batches:
+                trainer.train_step(images, masks)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
         rows = []
         for round_index in range(args.rounds):
             start = time.perf_counter()
@@ -87,25 +94,36 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             bare_steps()
             bare = (time.perf_counter() - start) / args.iters
-            rows.append({"round": round_index, "full_s_per_iter": full, "bare_s_per_iter": bare, "ratio": full / bare})
+            start = time.perf_counter()
+            engine_steps()
+            step = (time.perf_counter() - start) / args.iters
+            rows.append({"round": round_index, "full_s_per_iter": full, "bare_s_per_iter": bare,
+                         "train_step_s_per_iter": step, "ratio": full / bare, "train_step_ratio": step / bare})
 
     full_median = statistics.median(r["full_s_per_iter"] for r in rows)
     bare_median = statistics.median(r["bare_s_per_iter"] for r in rows)
     ratio_median = statistics.median(r["ratio"] for r in rows)
+    step_median = statistics.median(r["train_step_s_per_iter"] for r in rows)
+    step_ratio_median = statistics.median(r["train_step_ratio"] for r in rows)
     print(f"config {args.config} {' '.join(args.overrides)}; device {device}; torch threads {torch.get_num_threads()}; "
           f"batch {config.train.batch_size}, crop {config.data.crop_size}, amp {config.train.amp}, "
           f"workers {config.data.num_workers}, {args.iters} iterations per round")
-    print(f"{'round':>5}  {'full s/iter':>11}  {'bare s/iter':>11}  {'full/bare':>9}")
+    print("full = Trainer.fit (data loading, loss, AMP, schedule, logging); step = Trainer.train_step on "
+          "preloaded batches (the loop without its input pipeline); bare = forward+CE+backward+step")
+    print(f"{'round':>6}  {'full s/iter':>11}  {'step s/iter':>11}  {'bare s/iter':>11}  {'full/bare':>9}  {'step/bare':>9}")
     for r in rows:
-        print(f"{r['round']:>5}  {r['full_s_per_iter']:>11.4f}  {r['bare_s_per_iter']:>11.4f}  {r['ratio']:>9.3f}")
-    print(f"{'median':>5}  {full_median:>11.4f}  {bare_median:>11.4f}  {ratio_median:>9.3f}   (target <= 1.10)")
+        print(f"{r['round']:>6}  {r['full_s_per_iter']:>11.4f}  {r['train_step_s_per_iter']:>11.4f}  "
+              f"{r['bare_s_per_iter']:>11.4f}  {r['ratio']:>9.3f}  {r['train_step_ratio']:>9.3f}")
+    print(f"{'median':>6}  {full_median:>11.4f}  {step_median:>11.4f}  {bare_median:>11.4f}  {ratio_median:>9.3f}  "
+          f"{step_ratio_median:>9.3f}   (target full/bare <= 1.10)")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({
         "config": args.config, "overrides": args.overrides, "device": str(device),
         "threads": torch.get_num_threads(), "iters_per_round": args.iters, "rounds": rows,
         "median_full_s_per_iter": full_median, "median_bare_s_per_iter": bare_median,
-        "median_paired_ratio": ratio_median,
+        "median_paired_ratio": ratio_median, "median_train_step_s_per_iter": step_median,
+        "median_train_step_ratio": step_ratio_median,
     }, indent=2))
     print(f"wrote {output}")
     return 0

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from engine.checkpoint import FORMAT_VERSION, RESUME_KEYS, load_checkpoint, save_checkpoint, unwrap_model
 from engine.config import Config, save_config, to_dict
@@ -84,12 +84,14 @@ class SegmentationLoss(nn.Module):
                                  f"{num_classes} classes")
             weights = weights.to(logits.device)
         valid = target != self.ignore_index
-        if bool((target[valid] >= num_classes).any()) or bool((target[valid] < 0).any()):
-            bad = target[valid & ((target >= num_classes) | (target < 0))][0].item()
-            raise ValueError(f"mask value {bad} is not a class index in 0..{num_classes - 1} "
-                             f"nor ignore_index={self.ignore_index}")
-        losses = F.cross_entropy(logits, target, weight=weights, ignore_index=self.ignore_index, reduction="none")
         safe_target = torch.where(valid, target, torch.zeros_like(target))
+        if target.device.type == "cpu":  # on CUDA this check would synchronize every step
+            low, high = torch.aminmax(safe_target)
+            if low < 0 or high >= num_classes:
+                bad = low.item() if low < 0 else high.item()
+                raise ValueError(f"mask value {bad} is not a class index in 0..{num_classes - 1} "
+                                 f"nor ignore_index={self.ignore_index}")
+        losses = F.cross_entropy(logits, target, weight=weights, ignore_index=self.ignore_index, reduction="none")
         pixel_weight = weights[safe_target] * valid if weights is not None else valid.to(losses.dtype)
         if self.ohem:
             keep = self._ohem_keep(logits.detach(), safe_target, valid)
@@ -309,18 +311,23 @@ class SeededDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         index, seed = key
+        if get_worker_info() is not None:  # a worker's global RNG streams serve nothing else
+            return self._seeded_item(index, seed)
         python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
         try:
-            random.seed(seed)
-            np.random.seed(seed)
-            torch.manual_seed(seed)
-            for pipeline in self._seedable:
-                pipeline.set_random_seed(seed)
-            return self.dataset[index]
+            return self._seeded_item(index, seed)
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)
             torch.set_rng_state(torch_state)
+
+    def _seeded_item(self, index: int, seed: int) -> Any:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        for pipeline in self._seedable:
+            pipeline.set_random_seed(seed)
+        return self.dataset[index]
 
 
 class _WorkerInit:
