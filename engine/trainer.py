@@ -384,11 +384,14 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self.writer = None
         self.run_dir = run_dir
-        self._purge_step = resume_iteration + 1 if resume_iteration else None
+        # TensorBoard drops earlier events from this step on: what a killed run logged after the
+        # checkpoint it resumes from, or everything when a fresh run reuses the directory
+        self._purge_step = resume_iteration + 1 if resume_iteration is not None else 0
         if not enabled:
             return
-        if resume_iteration is not None and self.path.is_file():
-            # drop what a killed run logged after the checkpoint it resumes from
+        if resume_iteration is None:
+            self.path.write_text("")
+        elif self.path.is_file():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("iteration", 0) <= resume_iteration]
             self.path.write_text("".join(line + "\n" for line in kept))
@@ -590,6 +593,9 @@ class Trainer:
             np.random.seed(_mix_seed(train_cfg.seed, "numpy", dist_info.rank) % 2**32)
 
         if self.is_main:
+            if resume is None and (self.run_dir / "last.pt").is_file():
+                logger.warning("%s already holds a run; starting over (its checkpoints are overwritten as this run "
+                               "saves; pass --resume auto to continue it instead)", self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(config, self.run_dir / "config.yaml")
         self.log = MetricsLog(self.run_dir, enabled=self.is_main,

@@ -279,3 +279,26 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     assert got[0] == expected[0] and got[1] == expected[1] and got[3] == expected[3]
     np.testing.assert_array_equal(got[2], expected[2])
     assert torch.equal(got[4], expected[4])
+
+
+# --------------------------------------------------------------------------------------- logging
+def test_metrics_log_restarts_for_a_fresh_run_and_trims_for_a_resume(tmp_path):
+    import json
+
+    from engine.trainer import MetricsLog
+
+    lines = [{"type": "train", "iteration": i, "loss": float(i)} for i in (1, 2, 3, 4)]
+    path = tmp_path / "metrics.jsonl"
+
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    log = MetricsLog(tmp_path, enabled=True, resume_iteration=2)  # resumed from a checkpoint at 2
+    log.scalars({"loss": 9.0}, step=3, prefix="train")
+    log.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["iteration"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 9.0)]
+
+    log = MetricsLog(tmp_path, enabled=True)  # a fresh run in the same directory
+    log.scalars({"loss": 5.0, "lr": {"head": 0.1}}, step=1, prefix="train")
+    log.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records == [{"type": "train", "iteration": 1, "loss": 5.0, "lr": {"head": 0.1}}]
