@@ -122,7 +122,8 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_last_checkpoint_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_last_checkpoint_and_exits_zero(tmp_path, signum):
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), "--config", "demo.yaml", f"output_dir={run_dir}", *TINY,
@@ -136,7 +137,7 @@ def test_sigterm_saves_last_checkpoint_and_exits_zero(tmp_path):
                 break
             time.sleep(0.2)
         assert process.poll() is None, process.stderr.read()[-3000:]
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         _, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
