@@ -253,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     is_main = dist_info is None or dist_info.is_main
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    failed = True
     try:
         record, metrics = run(args, dist_info)
+        failed = False
     except (ValueError, FileNotFoundError) as error:
         print(f"eval.py: error: {error}", file=sys.stderr)
         return 2
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist_info is not None:
             from engine.distributed import cleanup
 
-            cleanup()
+            cleanup(synchronize=not failed)  # after a failure a peer may never reach the barrier
     if is_main:
         print(format_table(record["classes"], metrics))
         if args.output:

@@ -96,13 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         del resume
         result = trainer.fit()
         trainer.close()
+        del trainer  # the DDP wrapper must be gone before the process group (see cleanup)
     except (ValueError, FileNotFoundError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
-        cleanup()
+        cleanup(synchronize=False)
         return 2
     except FloatingPointError as error:
         print(f"train.py: error: {error}", file=sys.stderr)
-        cleanup()
+        cleanup(synchronize=False)
         return 1
     if dist_info.is_main:
         if result.reason == "signal":

@@ -6,6 +6,8 @@ asks `DistInfo` (or the helpers below, which read torch.distributed) instead of 
 """
 from __future__ import annotations
 
+import gc
+
 import logging
 import os
 from dataclasses import dataclass, field
@@ -164,7 +166,15 @@ def broadcast_object(value: object, *, src: int = 0) -> object:
     return holder[0]
 
 
-def cleanup() -> None:
-    """Destroy the process group if this process created one."""
+def cleanup(*, synchronize: bool = True) -> None:
+    """Destroy the process group if this process created one.
+
+    Drop DistributedDataParallel wrappers before calling this: destroying a gloo group that a live DDP
+    still holds aborted ~1 in 3 processes at exit ("terminate called without an active exception").
+    `synchronize` waits for every rank first (skip it on error paths, where a peer may never arrive).
+    """
     if is_dist():
+        gc.collect()
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()

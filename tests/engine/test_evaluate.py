@@ -1,6 +1,8 @@
 """engine.evaluate: the shared evaluation loop, single process and sharded over gloo processes."""
 from __future__ import annotations
 
+import gc
+
 import json
 
 import pytest
@@ -108,6 +110,9 @@ def _ddp_worker(rank, world_size, init_file, out_dir):
         results = evaluate(ddp, build_eval_loader(dataset), num_classes=NUM_CLASSES, device="cpu", mean=MEAN,
                            std=STD, eval_cfg=EvalConfig(), progress=False)
         (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+        del ddp
+        gc.collect()  # DDP sits in reference cycles: a live DDP during destroy_process_group aborts gloo at exit (engine.distributed.cleanup)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -1,6 +1,8 @@
 """Two gloo processes on CPU: per-rank batches 3 and 5 equal nn.BatchNorm2d on the batch of 8."""
 from __future__ import annotations
 
+import gc
+
 import os
 import socket
 import time
@@ -86,6 +88,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         (model(inputs) * upstream[start:start + SPLITS[rank]]).sum().backward()
         results["ddp_grads"] = [p.grad.clone() for p in model.parameters()]
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        del model
+        gc.collect()  # DDP sits in reference cycles: a live DDP during destroy_process_group aborts gloo at exit
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
