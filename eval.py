@@ -57,19 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_config(args: argparse.Namespace, payload: dict[str, Any]):
     """The checkpoint's config, then KEY=VALUE overrides, then the --mode/--scales/--flip flags."""
-    from engine.config import build_config, from_dict, parse_overrides
+    from engine.config import inference_config
 
-    saved = from_dict(payload["config"], source=f"checkpoint '{args.checkpoint}'")
-    # The weights come from the checkpoint: never fetch or read backbone / init weights again.
-    values: dict[str, Any] = {"model.pretrained_backbone": "none", "model.init_checkpoint": ""}
-    values.update(parse_overrides(args.overrides))
-    if args.mode is not None:
-        values["eval.mode"] = args.mode
-    if args.scales is not None:
-        values["eval.scales"] = args.scales
-    if args.flip is not None:
-        values["eval.flip"] = args.flip
-    return build_config(values, source="command line", base=saved)
+    return inference_config(payload["config"], args.overrides, source=f"checkpoint '{args.checkpoint}'",
+                            mode=args.mode, scales=args.scales, flip=args.flip)
 
 
 def check_classes(checkpoint: str, checkpoint_classes: list[str], dataset: Any, data_cfg: Any, split: str) -> None:

@@ -380,5 +380,26 @@ def validate(config: Config, *, source: str = "config") -> None:
         )
 
 
+def inference_config(
+    saved: Mapping[str, Any],
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    source: str,
+    mode: str | None = None,
+    scales: str | tuple[float, ...] | None = None,
+    flip: bool | None = None,
+) -> Config:
+    """A checkpoint's stored config for inference: then KEY=VALUE overrides, then the CLI flags.
+
+    The weights come from the checkpoint, so backbone and init weights are never read again.
+    """
+    values: dict[str, Any] = {"model.pretrained_backbone": "none", "model.init_checkpoint": ""}
+    values.update(parse_overrides(overrides))
+    for key, value in (("eval.mode", mode), ("eval.scales", scales), ("eval.flip", flip)):
+        if value is not None:
+            values[key] = value
+    return build_config(values, source="command line", base=from_dict(saved, source=source))
+
+
 def save_config(config: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from data.base import read_image
     from data.transforms import normalize_batch
     from engine.checkpoint import load_checkpoint, load_model_weights
-    from engine.config import build_config, from_dict, parse_overrides
+    from engine.config import from_dict, inference_config
     from engine.inference import predict
     from model.builder import build_model
 
@@ -102,19 +102,12 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
     payload = load_checkpoint(args.checkpoint)
-    saved = from_dict(payload["config"], source=f"checkpoint '{args.checkpoint}'")
-    values: dict[str, Any] = {"model.pretrained_backbone": "none", "model.init_checkpoint": ""}
-    values.update(parse_overrides(args.overrides))
-    if args.mode is not None:
-        values["eval.mode"] = args.mode
-    if args.scales is not None:
-        values["eval.scales"] = args.scales
-    if args.flip is not None:
-        values["eval.flip"] = args.flip
-    config = build_config(values, source="command line", base=saved)
+    config = inference_config(payload["config"], args.overrides, source=f"checkpoint '{args.checkpoint}'",
+                              mode=args.mode, scales=args.scales, flip=args.flip)
     classes = [str(name) for name in payload["classes"]]
     model = build_model(config.model, len(classes))
-    load_model_weights(model, payload.pop("model"), checkpoint=args.checkpoint, saved_model_cfg=saved.model,
+    saved_model_cfg = from_dict(payload["config"], source=f"checkpoint '{args.checkpoint}'").model
+    load_model_weights(model, payload.pop("model"), checkpoint=args.checkpoint, saved_model_cfg=saved_model_cfg,
                        model_cfg=config.model)
     model.to(device).eval()
     palette = np.asarray(palette_for(config.data.dataset, len(classes)), dtype=np.uint8)

@@ -1,6 +1,5 @@
 """ASPP (image pooling with one image per batch), rates, heads against torchvision's modules."""
 import copy
-import threading
 
 import pytest
 import torch
@@ -8,7 +7,8 @@ from torch import nn
 from torchvision.models.segmentation import deeplabv3 as tv_deeplabv3
 
 from model.heads import ASPP, ASPPPooling, DeepLabV3Head, aspp_rates_for
-from model.sync_batchnorm import SynchronizedBatchNorm2d, execute_replication_callbacks
+from model.sync_batchnorm import SynchronizedBatchNorm2d
+from tests.model.sync_batchnorm.replicas import run_replicas
 
 
 def test_aspp_rates_follow_output_stride_unless_given():
@@ -60,28 +60,6 @@ def test_pooling_with_batch_1_in_training_uses_running_statistics(norm_layer):
     assert ours[2].bias.grad is not None and ours[2].bias.grad.abs().sum() > 0
 
 
-def _run_thread_replicas(replicas, inputs, timeout=30.0):
-    execute_replication_callbacks(replicas)
-    results = [None] * len(replicas)
-
-    def work(index):
-        try:
-            results[index] = replicas[index](inputs[index])
-        except BaseException as error:  # noqa: BLE001 - reported below
-            results[index] = error
-
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(replicas))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-    assert not any(thread.is_alive() for thread in threads), "replicas hung"
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
-
-
 def test_pooling_replica_with_one_image_still_synchronizes():
     """DataParallel split 2 + 1 images: every replica joins the synchronization (no hang), and the
     result equals one module on the 3-image batch."""
@@ -89,7 +67,7 @@ def test_pooling_replica_with_one_image_still_synchronizes():
     single = copy.deepcopy(ours).train()
     replicas = [copy.deepcopy(ours).train() for _ in range(2)]
     x = torch.randn(3, 6, 5, 7)
-    outputs = _run_thread_replicas(replicas, [x[:2], x[2:]])
+    outputs = run_replicas(replicas, [x[:2], x[2:]], join_timeout=30.0)
     expected = single(x)
     torch.testing.assert_close(torch.cat(outputs), expected)
     torch.testing.assert_close(replicas[0][2].running_mean, single[2].running_mean)
