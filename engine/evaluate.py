@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -119,7 +120,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     batches = loader
-    if progress and rank == 0:
+    if progress and rank == 0 and sys.stderr.isatty():  # a progress bar only where it redraws in place
         from tqdm import tqdm
 
         batches = tqdm(loader, desc="eval", total=len(loader), dynamic_ncols=True, leave=False)
