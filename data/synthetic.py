@@ -155,8 +155,15 @@ def split_stream(split: str) -> int:
     return zlib.crc32(split.encode("utf-8"))
 
 
+CACHE_BYTES = 256 * 2**20  # per process: renders kept when the whole split fits (2000 x 96 px = 74 MB)
+
+
 class SyntheticShapes(Dataset):
-    """`length` procedurally generated samples of split `split`, each (uint8 3xHxW, int64 HxW) after `transform`."""
+    """`length` procedurally generated samples of split `split`, each (uint8 3xHxW, int64 HxW) after `transform`.
+
+    Samples are rendered on first use. When the whole split fits in `cache_bytes`, each process
+    (each persistent DataLoader worker) keeps its renders, read-only, so later epochs only augment.
+    """
 
     ignore_index = IGNORE_INDEX
 
@@ -169,6 +176,7 @@ class SyntheticShapes(Dataset):
         seed: int = 0,
         split: str = "train",
         transform: Transform | None = None,
+        cache_bytes: int = CACHE_BYTES,
     ) -> None:
         if length <= 0:
             raise ValueError(f"synthetic dataset size {length} must be > 0 (data.synthetic_train_size / _val_size)")
@@ -184,6 +192,9 @@ class SyntheticShapes(Dataset):
         self.transform = transform
         self.classes = ("background",) + SHAPE_NAMES[: num_classes - 1]
         self.palette = bit_palette(num_classes)
+        sample_bytes = 4 * image_size * image_size  # RGB + mask, uint8
+        self._renders: dict[int, tuple[np.ndarray, np.ndarray]] | None = (
+            {} if length * sample_bytes <= cache_bytes else None)
 
     @property
     def num_classes(self) -> int:
@@ -199,8 +210,15 @@ class SyntheticShapes(Dataset):
         """The untransformed sample: (image HxWx3 uint8 RGB, mask HxW uint8)."""
         if not 0 <= index < self.length:
             raise IndexError(f"synthetic {self.split}: index {index} out of range for {self.length} samples")
+        if self._renders is not None and index in self._renders:
+            return self._renders[index]
         rng = np.random.default_rng([self.seed, split_stream(self.split), index])
-        return render_shapes(rng, self.image_size, num_classes=self.num_classes)
+        image, mask = render_shapes(rng, self.image_size, num_classes=self.num_classes)
+        if self._renders is not None:
+            image.setflags(write=False)  # shared by every later epoch: a transform must not write into it
+            mask.setflags(write=False)
+            self._renders[index] = (image, mask)
+        return image, mask
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if -self.length <= index < 0:

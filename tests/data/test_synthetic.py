@@ -140,3 +140,18 @@ def test_per_pixel_color_classifier_scores_below_half(color_coded):
         assert miou > 0.95
     else:
         assert miou < 0.5, f"a per-pixel color classifier reaches mIoU {miou:.3f} on the synthetic data"
+
+
+def test_renders_are_cached_read_only_and_equal_fresh_renders():
+    from data.synthetic import SyntheticShapes
+
+    cached = SyntheticShapes(6, 32, seed=3)
+    uncached = SyntheticShapes(6, 32, seed=3, cache_bytes=0)
+    assert uncached._renders is None
+    for index in (2, 2, 4):
+        image, mask = cached.load(index)
+        fresh_image, fresh_mask = uncached.load(index)
+        assert np.array_equal(image, fresh_image) and np.array_equal(mask, fresh_mask)
+        assert not image.flags.writeable and not mask.flags.writeable
+    assert cached.load(2)[0] is cached.load(2)[0]  # rendered once
+    assert sorted(cached._renders) == [2, 4]
