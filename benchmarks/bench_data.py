@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 read_image(jpg)
                 read_index_mask(png)
 
-        synthetic = SyntheticShapes(len(names), 96, split="bench")
+        synthetic = SyntheticShapes(len(names), 96, split="bench", cache_bytes=0)  # time rendering, not the cache
         variants = {
             "decode_only": decode_only,
             "train": lambda: [train[i] for i in range(len(train))],
