@@ -20,10 +20,11 @@ How the synchronized path is built (one graph, any topology):
 Backward needs one global reduction of [sum(dy), sum(dy * x_hat)] per channel. Normalize_i computes
 its replica's part and sends it "down" to CombineStats as the gradient of its statistics input;
 CombineStats' backward adds the replicas' parts (and all-reduces across processes); LocalStats_i's
-backward receives the global sums and forms the input gradient in two elementwise passes. Normalize_i
-hands its grad_output and input to LocalStats_i through a per-forward `_BackwardHandoff`. Because
-the reduction is a node of the graph all replicas share, it also works where autograd runs the
-backward of all replicas in a single thread (CPU), where a rendezvous between threads would deadlock.
+backward receives the global sums and forms the input gradient in two elementwise passes from its
+saved input (the same storage Normalize saves) and the grad_output that Normalize_i hands over through
+a per-forward `_BackwardHandoff`. Because the reduction is a node of the graph all replicas share, it
+also works where autograd runs the backward of all replicas in a single thread (CPU), where a
+rendezvous between threads would deadlock.
 The "gradients" exchanged between these three internal nodes are those packed sums, not true
 gradients of the statistics; the input, weight and bias gradients are exact (tested with gradcheck).
 Double backward is not supported on the synchronized path.
