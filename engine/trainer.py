@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from engine.checkpoint import FORMAT_VERSION, RESUME_KEYS, load_checkpoint, save_checkpoint, unwrap_model
 from engine.config import Config, save_config, to_dict
 from engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
+from engine.evaluate import ShardSampler, evaluate  # validation = eval.py's loop and non-padding shards
 
 logger = logging.getLogger(__name__)
 
@@ -257,19 +258,6 @@ class ResumableBatchSampler(Sampler):
         for batch in range(self.start_batch, self.batches_per_epoch):
             first = batch * global_batch + self.rank * self.batch_size
             yield [(order[j], seeds[j]) for j in range(first, first + self.batch_size)]
-
-
-class ShardSampler(Sampler):
-    """indices rank, rank+W, rank+2W, ...: every sample on exactly one process, no padding."""
-
-    def __init__(self, num_samples: int, *, rank: int = 0, world_size: int = 1) -> None:
-        self.indices = list(range(rank, num_samples, world_size))
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
 
 
 def _find_seedable(obj: Any, depth: int = 3, seen: set[int] | None = None) -> list[Any]:
@@ -679,8 +667,6 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- validation
     def validate(self) -> dict[str, Any]:
-        from engine.evaluate import evaluate
-
         self.model.eval()
         data_cfg = self.config.data
         metrics = evaluate(self.model, self.val_loader, num_classes=self.num_classes, device=self.device,
