@@ -70,7 +70,8 @@ def build_eval_loader(
                       pin_memory=pin_memory, drop_last=False, persistent_workers=False)
 
 
-def _autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
+def autocast_for(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
+    """The autocast context for `amp` (off | fp16 | bf16) on `device`; training uses it too."""
     if amp not in AMP_DTYPES:
         raise ValueError(f"evaluate: amp={amp!r} is not one of {', '.join(AMP_DTYPES)}")
     dtype = AMP_DTYPES[amp]
@@ -130,7 +131,7 @@ def evaluate(
                 images = images.to(device, non_blocking=True)
                 masks = masks.to(device, non_blocking=True)
                 inputs = normalize_batch(images, mean, std)
-                with _autocast(device, amp):
+                with autocast_for(device, amp):
                     logits = predict(model, inputs, num_classes=num_classes, mode=mode, crop_size=crop_size,
                                      stride=stride, scales=scales, flip=flip)
                 if logits.shape[-2:] != masks.shape[-2:]:  # an image resized by the pipeline, not its mask

@@ -36,11 +36,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from engine.checkpoint import FORMAT_VERSION, RESUME_KEYS, load_checkpoint, save_checkpoint, unwrap_model
 from engine.config import Config, save_config, to_dict
 from engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
-from engine.evaluate import ShardSampler, evaluate  # validation = eval.py's loop and non-padding shards
+from engine.evaluate import ShardSampler, autocast_for, evaluate  # validation = eval.py's loop and non-padding shards
 
 logger = logging.getLogger(__name__)
-
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------------------------- loss
@@ -528,7 +526,6 @@ class Trainer:
         self.optimizer = build_optimizer(groups, train_cfg)
         self.scheduler = PolyWarmupLR(self.optimizer, total_iters=train_cfg.iters, power=train_cfg.poly_power,
                                       warmup_iters=train_cfg.warmup_iters)
-        self.amp_dtype = AMP_DTYPES.get(train_cfg.amp)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=train_cfg.amp == "fp16")
         self.criterion = build_loss(train_cfg, ignore_index=self.ignore_index).to(self.device)
 
@@ -712,9 +709,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ the loop
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return autocast_for(self.device, self.config.train.amp)
 
     def _batches(self) -> Iterator[tuple[int, Any]]:
         """(epoch, batch) from the current iteration on, forever, with the resume position skipped."""
