@@ -15,24 +15,18 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from data.transforms import normalize_batch
+from engine.distributed import all_reduce_sum, get_rank, get_world_size
 from engine.inference import predict
 from engine.metrics import ConfusionMatrix
 
 logger = logging.getLogger(__name__)
 
 AMP_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _dist_rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class ShardSampler(Sampler[int]):
@@ -43,9 +37,8 @@ class ShardSampler(Sampler[int]):
     """
 
     def __init__(self, num_samples: int, *, rank: int | None = None, world_size: int | None = None):
-        default_rank, default_world = _dist_rank_world()
-        self.rank = default_rank if rank is None else rank
-        self.world_size = default_world if world_size is None else world_size
+        self.rank = get_rank() if rank is None else rank
+        self.world_size = get_world_size() if world_size is None else world_size
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"ShardSampler: rank={self.rank} must lie in [0, world_size={self.world_size})")
         self.num_samples = num_samples
@@ -115,7 +108,7 @@ def evaluate(
     stride = int(getattr(eval_cfg, "stride", 341))
     scales = tuple(getattr(eval_cfg, "scales", (1.0,)))
     flip = bool(getattr(eval_cfg, "flip", False))
-    rank, _ = _dist_rank_world()
+    rank = get_rank()
     matrix = ConfusionMatrix(num_classes, ignore_index=ignore_index, device=device)
     num_images = torch.zeros((), dtype=torch.int64, device=device)
     was_training = model.training
@@ -145,8 +138,7 @@ def evaluate(
     finally:
         model.train(was_training)
     matrix.all_reduce()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(num_images, op=dist.ReduceOp.SUM)
+    all_reduce_sum(num_images)
     results = matrix.compute()
     results["num_images"] = int(num_images)
     if classes is not None:

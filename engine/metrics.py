@@ -12,7 +12,8 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from engine.distributed import all_reduce_sum
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,7 @@ class ConfusionMatrix:
 
         Every process must call it (a collective), whatever the number of images it saw.
         """
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(self.matrix, op=dist.ReduceOp.SUM)
+        all_reduce_sum(self.matrix)
 
     def compute(self) -> dict[str, Any]:
         """Metrics in float64 from the matrix (moved to the CPU once).
