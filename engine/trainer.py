@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from engine.checkpoint import FORMAT_VERSION, RESUME_KEYS, load_checkpoint, save_checkpoint, unwrap_model
+from engine.checkpoint import FORMAT_VERSION, RESUME_KEYS, load_checkpoint, save_checkpoint
 from engine.config import Config, save_config, to_dict
 from engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
 from engine.evaluate import ShardSampler, autocast_for, evaluate  # validation = eval.py's loop and non-padding shards
