@@ -172,9 +172,9 @@ def build_train_transform(data_cfg: Any) -> PairTransform:
         build_train_augmentation(
             int(data_cfg.crop_size),
             tuple(data_cfg.scale_range),
-            hflip=bool(getattr(data_cfg, "hflip", True)),
-            photometric=bool(getattr(data_cfg, "photometric", False)),
-            ignore_index=int(getattr(data_cfg, "ignore_index", IGNORE_INDEX)),
+            hflip=bool(data_cfg.hflip),
+            photometric=bool(data_cfg.photometric),
+            ignore_index=int(data_cfg.ignore_index),
         ),
         random=True,
     )
@@ -182,7 +182,7 @@ def build_train_transform(data_cfg: Any) -> PairTransform:
 
 def build_eval_transform(data_cfg: Any) -> PairTransform:
     """The evaluation pipeline: full image, or long side resized to data_cfg.base_size when > 0."""
-    return PairTransform(build_eval_augmentation(int(getattr(data_cfg, "base_size", 0))), random=False)
+    return PairTransform(build_eval_augmentation(int(data_cfg.base_size)), random=False)
 
 
 def to_tensors(image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,11 +103,11 @@ def evaluate(
         model = model.module
     if classes is not None and len(classes) != num_classes:
         raise ValueError(f"evaluate: {len(classes)} class names given for num_classes={num_classes}")
-    mode = getattr(eval_cfg, "mode", "whole")
-    crop_size = int(getattr(eval_cfg, "crop_size", 513))
-    stride = int(getattr(eval_cfg, "stride", 341))
-    scales = tuple(getattr(eval_cfg, "scales", (1.0,)))
-    flip = bool(getattr(eval_cfg, "flip", False))
+    mode = eval_cfg.mode
+    crop_size = int(eval_cfg.crop_size)
+    stride = int(eval_cfg.stride)
+    scales = tuple(eval_cfg.scales)
+    flip = bool(eval_cfg.flip)
     rank = get_rank()
     matrix = ConfusionMatrix(num_classes, ignore_index=ignore_index, device=device)
     num_images = torch.zeros((), dtype=torch.int64, device=device)

@@ -78,20 +78,20 @@ def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
         raise ValueError(
             f"model.output_stride={model_cfg.output_stride} is not one of {', '.join(map(str, OUTPUT_STRIDES))}"
         )
-    channels = int(getattr(model_cfg, "head_channels", 256))
+    channels = int(model_cfg.head_channels)
     if channels < 1:
         raise ValueError(f"model.head_channels={channels} must be > 0")
     backbone_norm, head_norm = _norm_layers(model_cfg.norm)
-    rates = aspp_rates_for(model_cfg.output_stride, tuple(getattr(model_cfg, "aspp_rates", ())))
+    rates = aspp_rates_for(model_cfg.output_stride, tuple(model_cfg.aspp_rates))
     backbone = build_backbone(
         model_cfg.backbone,
         output_stride=model_cfg.output_stride,
         norm_layer=backbone_norm,
-        pretrained=str(getattr(model_cfg, "pretrained_backbone", "none") or "none"),
+        pretrained=str(model_cfg.pretrained_backbone or "none"),
     )
     classifier = HEADS[arch](backbone, num_classes, rates, channels, head_norm)
     aux_classifier = FCNHead(backbone.aux_channels, num_classes, norm_layer=head_norm) if model_cfg.aux_loss else None
-    channels_last = bool(getattr(model_cfg, "channels_last", False))
+    channels_last = bool(model_cfg.channels_last)
     model = DeepLab(backbone, classifier, aux_classifier=aux_classifier, channels_last=channels_last)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
