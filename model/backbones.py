@@ -26,7 +26,6 @@ How output stride becomes dilation (the "atrous" conversion), all in this file:
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 from pathlib import Path
@@ -38,10 +37,9 @@ import torchvision
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
-logger = logging.getLogger(__name__)
+from model.norm import NormLayer
 
-BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_large")
-OUTPUT_STRIDES = (8, 16)
+logger = logging.getLogger(__name__)
 
 # torchvision weight enums whose ImageNet checkpoints the backbones accept (V1: the classic recipes,
 # the ones torchvision's own DeepLabV3 builders use).
@@ -52,8 +50,6 @@ IMAGENET_WEIGHTS = {
     "resnet101": "ResNet101_Weights.IMAGENET1K_V1",
     "mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V1",
 }
-
-NormLayer = Callable[[int], nn.Module]
 
 
 class ResNetBackbone(nn.Module):
@@ -129,14 +125,12 @@ def _dilate_basic_stage(stage: nn.Sequential, *, previous_dilation: int, dilatio
         _dilate_conv(block.conv2, dilation)
 
 
-def _replace_stride_with_dilation(output_stride: int) -> list[bool]:
-    if output_stride not in OUTPUT_STRIDES:
-        raise ValueError(f"model.output_stride={output_stride} is not one of {', '.join(map(str, OUTPUT_STRIDES))}")
-    return [False, output_stride == 8, True]
+# output stride -> which of ResNet's layer2/3/4 trade their stride for dilation
+_DILATED_STAGES = {16: [False, False, True], 8: [False, True, True]}
 
 
 def _build_resnet(name: str, *, output_stride: int, norm_layer: NormLayer) -> ResNetBackbone:
-    dilate = _replace_stride_with_dilation(output_stride)
+    dilate = _DILATED_STAGES[output_stride]
     constructor = getattr(torchvision.models, name)
     if name in ("resnet18", "resnet34"):
         resnet = constructor(weights=None, norm_layer=norm_layer)
@@ -151,10 +145,8 @@ def _build_resnet(name: str, *, output_stride: int, norm_layer: NormLayer) -> Re
 
 
 def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> MobileNetV3Backbone:
-    _replace_stride_with_dilation(output_stride)  # validates
     # torchvision's MobileNetV3 BatchNorm settings (eps 1e-3, momentum 0.01) are part of the pretrained recipe.
-    accepts_momentum = "momentum" in inspect.signature(norm_layer).parameters  # FrozenBatchNorm2d has none
-    norm = functools.partial(norm_layer, eps=0.001, **({"momentum": 0.01} if accepts_momentum else {}))
+    norm = functools.partial(norm_layer, eps=0.001, momentum=0.01)
     network = torchvision.models.mobilenet_v3_large(weights=None, norm_layer=norm)
     backbone = MobileNetV3Backbone(network.features)
     stage_starts = [i for i, block in enumerate(backbone) if getattr(block, "_is_cn", False)]
@@ -170,20 +162,30 @@ def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> M
     return backbone
 
 
-def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str = "none") -> nn.Module:
-    """A backbone by name (one of BACKBONES) with randomly initialized or pretrained weights.
+# backbone name -> constructor(output_stride=, norm_layer=); the names are engine.config's model.backbone choices
+_CONSTRUCTORS: dict[str, Callable[..., nn.Module]] = {
+    "resnet18": functools.partial(_build_resnet, "resnet18"),
+    "resnet34": functools.partial(_build_resnet, "resnet34"),
+    "resnet50": functools.partial(_build_resnet, "resnet50"),
+    "resnet101": functools.partial(_build_resnet, "resnet101"),
+    "mobilenet_v3_large": _build_mobilenet_v3_large,
+}
 
-    pretrained: "none" (torchvision's random init), "imagenet" (torchvision's ImageNet checkpoint from the
-    local torch hub cache, see `imagenet_weights_file`; never downloaded), or a path to a state dict.
-    Raises ValueError for an unknown name / output stride or mismatching weights, FileNotFoundError
-    for a missing weights file.
+
+def backbone_names() -> tuple[str, ...]:
+    """The backbones this module builds (a test checks they equal the config's choices)."""
+    return tuple(_CONSTRUCTORS)
+
+
+def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str = "none") -> nn.Module:
+    """A backbone by name with randomly initialized or pretrained weights.
+
+    `name` and `output_stride` (8 or 16) are values the config validated. pretrained: "none"
+    (torchvision's random init), "imagenet" (torchvision's ImageNet checkpoint from the local torch hub
+    cache, see `imagenet_weights_file`; never downloaded), or a path to a state dict. Raises ValueError
+    for mismatching weights, FileNotFoundError for a missing weights file.
     """
-    if name.startswith("resnet") and name in BACKBONES:
-        backbone: nn.Module = _build_resnet(name, output_stride=output_stride, norm_layer=norm_layer)
-    elif name == "mobilenet_v3_large":
-        backbone = _build_mobilenet_v3_large(output_stride=output_stride, norm_layer=norm_layer)
-    else:
-        raise ValueError(f"model.backbone={name!r} is not one of {', '.join(BACKBONES)}")
+    backbone = _CONSTRUCTORS[name](output_stride=output_stride, norm_layer=norm_layer)
     if pretrained in ("", "none"):
         return backbone
     if pretrained == "imagenet":
@@ -206,8 +208,6 @@ def imagenet_weights_file(name: str) -> Path:
     That is where torchvision itself caches it (`$TORCH_HOME/hub/checkpoints`, by default
     ~/.cache/torch/hub/checkpoints). Raises FileNotFoundError naming the file and the folder when absent.
     """
-    if name not in IMAGENET_WEIGHTS:
-        raise ValueError(f"model.backbone={name!r} has no ImageNet weights; choose one of {', '.join(IMAGENET_WEIGHTS)}")
     weights = torchvision.models.get_weight(IMAGENET_WEIGHTS[name])
     file_name = os.path.basename(urlparse(weights.url).path)
     folder = Path(torch.hub.get_dir()) / "checkpoints"

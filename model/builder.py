@@ -1,11 +1,7 @@
 """build_model(model_cfg, num_classes), optimizer parameter groups and fine-tuning weight loading.
 
-Normalization (`model.norm`):
-- `syncbn`: SynchronizedBatchNorm2d everywhere (one device: plain F.batch_norm);
-- `bn`: nn.BatchNorm2d everywhere (per-device statistics);
-- `frozen_bn`: the backbone's BatchNorm layers become torchvision's FrozenBatchNorm2d (fixed pretrained
-  statistics and affine parameters, nothing trainable); the randomly initialized head keeps
-  SynchronizedBatchNorm2d, since frozen statistics only make sense for pretrained layers.
+The settings come from a validated `model` config section (engine.config.ModelConfig); nothing here
+re-checks them. Normalization (`model.norm`) is chosen by model/norm.py.
 
 Key names: for `deeplabv3`, our state dict keys equal torchvision's DeepLabV3 keys (`backbone.*`,
 `classifier.*`, `aux_classifier.*`) without any mapping, so `deeplabv3_resnet50/101(...).state_dict()`
@@ -14,49 +10,35 @@ and `deeplabv3_mobilenet_v3_large(...).state_dict()` load directly (`load_segmen
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
-from torchvision.ops import FrozenBatchNorm2d
 
-from model.backbones import BACKBONES, OUTPUT_STRIDES, build_backbone
+from model.backbones import build_backbone
 from model.deeplab import DeepLab
 from model.heads import DeepLabV3Head, DeepLabV3PlusHead, FCNHead, aspp_rates_for
+from model.norm import NormLayer, norm_layers
 
 logger = logging.getLogger(__name__)
 
-NORMS = ("syncbn", "bn", "frozen_bn")
-
 
 def _build_deeplabv3_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
-                          norm_layer: Callable[[int], nn.Module]) -> nn.Module:
+                          norm_layer: NormLayer) -> nn.Module:
     return DeepLabV3Head(backbone.out_channels, num_classes, atrous_rates=rates, channels=channels,
                          norm_layer=norm_layer)
 
 
 def _build_deeplabv3plus_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
-                              norm_layer: Callable[[int], nn.Module]) -> nn.Module:
+                              norm_layer: NormLayer) -> nn.Module:
     return DeepLabV3PlusHead(
         backbone.out_channels, num_classes, low_level_channels=backbone.low_level_channels, atrous_rates=rates,
         channels=channels, norm_layer=norm_layer,
     )
 
 
+# model.arch -> head constructor; the names are engine.config's model.arch choices
 HEADS = {"deeplabv3": _build_deeplabv3_head, "deeplabv3plus": _build_deeplabv3plus_head}
-
-
-def _norm_layers(norm: str) -> tuple[Callable[..., nn.Module], Callable[..., nn.Module]]:
-    """(backbone norm layer, head norm layer) for `model.norm`."""
-    if norm == "bn":
-        return nn.BatchNorm2d, nn.BatchNorm2d
-    if norm not in NORMS:
-        raise ValueError(f"model.norm={norm!r} is not one of {', '.join(NORMS)}")
-    from model.sync_batchnorm import SynchronizedBatchNorm2d
-
-    if norm == "frozen_bn":
-        return FrozenBatchNorm2d, SynchronizedBatchNorm2d
-    return SynchronizedBatchNorm2d, SynchronizedBatchNorm2d
 
 
 def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
@@ -65,23 +47,13 @@ def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
     forward(x: normalized float N x 3 x H x W) -> {"out": logits N x num_classes x H x W} plus "aux" when
     model_cfg.aux_loss. Pretrained backbone weights are loaded here (model_cfg.pretrained_backbone);
     model_cfg.init_checkpoint is left to the trainer (load_segmentation_weights). Raises ValueError for
-    invalid settings, FileNotFoundError for missing weight files.
+    a class count that is not a positive integer, FileNotFoundError for missing weight files.
     """
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes={num_classes!r} must be a positive integer")
     arch = model_cfg.arch
-    if arch not in HEADS:
-        raise ValueError(f"model.arch={arch!r} is not one of {', '.join(HEADS)}")
-    if model_cfg.backbone not in BACKBONES:
-        raise ValueError(f"model.backbone={model_cfg.backbone!r} is not one of {', '.join(BACKBONES)}")
-    if model_cfg.output_stride not in OUTPUT_STRIDES:
-        raise ValueError(
-            f"model.output_stride={model_cfg.output_stride} is not one of {', '.join(map(str, OUTPUT_STRIDES))}"
-        )
     channels = int(model_cfg.head_channels)
-    if channels < 1:
-        raise ValueError(f"model.head_channels={channels} must be > 0")
-    backbone_norm, head_norm = _norm_layers(model_cfg.norm)
+    backbone_norm, head_norm = norm_layers(model_cfg.norm)
     rates = aspp_rates_for(model_cfg.output_stride, tuple(model_cfg.aspp_rates))
     backbone = build_backbone(
         model_cfg.backbone,
@@ -103,7 +75,8 @@ def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
     return model
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DataParallel / DistributedDataParallel wrappers (nested ones too)."""
     while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         model = model.module
     return model
@@ -115,7 +88,7 @@ def build_param_groups(model: nn.Module, *, lr: float, head_lr_mult: float, weig
     Each group: {"name", "params", "lr", "weight_decay"}. Only parameters with requires_grad are included;
     a group without any is left out. DataParallel / DistributedDataParallel wrappers are looked through.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     backbone = getattr(model, "backbone", None)
     if backbone is None:
         raise ValueError(f"build_param_groups expects a model with a 'backbone' attribute, got {type(model).__name__}")
@@ -153,7 +126,7 @@ def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]
     initialization. Any other shape mismatch, missing key or unexpected key raises ValueError. A
     `module.` prefix on every key (a DataParallel state dict) is stripped.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     if state_dict and all(key.startswith("module.") for key in state_dict):
         state_dict = {key[len("module."):]: value for key, value in state_dict.items()}
     own = model.state_dict()

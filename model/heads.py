@@ -9,14 +9,13 @@ logits at the resolution of the features they use.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-NormLayer = Callable[[int], nn.Module]
+from model.norm import NormLayer
 
 # The one place where output stride becomes ASPP rates (DeepLabV3 paper, section 4.1).
 _ASPP_RATES = {16: (6, 12, 18), 8: (12, 24, 36)}
@@ -25,11 +24,7 @@ _ASPP_RATES = {16: (6, 12, 18), 8: (12, 24, 36)}
 def aspp_rates_for(output_stride: int, rates: Sequence[int] = ()) -> tuple[int, ...]:
     """ASPP dilation rates: `rates` when given, else 6/12/18 at output stride 16 and 12/24/36 at 8."""
     if rates:
-        if any(int(rate) < 1 for rate in rates):
-            raise ValueError(f"model.aspp_rates={tuple(rates)} must be positive integers")
         return tuple(int(rate) for rate in rates)
-    if output_stride not in _ASPP_RATES:
-        raise ValueError(f"model.output_stride={output_stride} is not one of {', '.join(map(str, _ASPP_RATES))}")
     return _ASPP_RATES[output_stride]
 
 
@@ -42,18 +37,6 @@ class ASPPConv(nn.Sequential):
             norm_layer(out_channels),
             nn.ReLU(),
         )
-
-
-def _runs_alone(module: nn.Module, norm: nn.Module) -> bool:
-    """False when `norm` may synchronize with other devices: a synchronized BatchNorm that says so
-    (DataParallel replicas or a torch.distributed group of more than one process), or any norm inside a
-    torch DataParallel replica (torch's replicate sets `_is_replica`)."""
-    if getattr(module, "_is_replica", False):
-        return False
-    synchronizes = getattr(norm, "synchronizes", None)
-    if synchronizes is not None:
-        return not synchronizes()
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 class ASPPPooling(nn.Sequential):
@@ -84,7 +67,7 @@ class ASPPPooling(nn.Sequential):
         pooled = self[1](self[0](x))
         norm = self[2]
         single_value = self.training and pooled.shape[0] * pooled.shape[2] * pooled.shape[3] == 1
-        if single_value and _uses_running_stats_fallback(norm, self):
+        if single_value and _uses_running_stats_fallback(norm):
             pooled = F.batch_norm(
                 pooled, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps
             )
@@ -94,10 +77,14 @@ class ASPPPooling(nn.Sequential):
         return F.interpolate(pooled, size=size, mode="bilinear", align_corners=False)
 
 
-def _uses_running_stats_fallback(norm: nn.Module, owner: nn.Module) -> bool:
+def _uses_running_stats_fallback(norm: nn.Module) -> bool:
+    """True when a training-mode `norm` would take batch statistics from this one image alone: a
+    BatchNorm with running statistics that does not synchronize (a plain nn.BatchNorm2d, or a
+    synchronized one that `synchronizes()` says runs alone)."""
     if not isinstance(norm, nn.modules.batchnorm._BatchNorm) or norm.running_mean is None:
         return False  # e.g. FrozenBatchNorm2d: already uses fixed statistics
-    return type(norm) is nn.BatchNorm2d or _runs_alone(owner, norm)
+    synchronizes = getattr(norm, "synchronizes", None)
+    return synchronizes is None or not synchronizes()
 
 
 class ASPP(nn.Module):

@@ -2,13 +2,8 @@
 
 Standalone: depends on torch and the standard library only.
 """
-from .batchnorm import (
-    SynchronizedBatchNorm1d,
-    SynchronizedBatchNorm2d,
-    SynchronizedBatchNorm3d,
-    convert_model,
-    revert_model,
-)
+from .batchnorm import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+from .conversion import convert_model, revert_model
 from .comm import FutureResult, SlavePipe, SyncAbortedError, SyncMaster
 from .replicate import (
     CallbackContext,

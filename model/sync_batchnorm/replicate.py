@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-import torch
 from torch import nn
 from torch.nn.parallel import DataParallel
 from torch.nn.parallel.parallel_apply import parallel_apply

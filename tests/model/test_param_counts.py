@@ -7,8 +7,7 @@ from torchvision.models.segmentation.deeplabv3 import ASPP as TorchvisionASPP
 from torchvision.models.segmentation.deeplabv3 import DeepLabHead
 from torchvision.models.segmentation.fcn import FCNHead
 
-from engine.config import ModelConfig
-from model.backbones import BACKBONES
+from engine.config import ModelConfig, choices
 from model.builder import build_model
 
 NUM_CLASSES = 21
@@ -77,7 +76,7 @@ def test_parameter_counts_match_torchvision_equivalents():
 def _count_rows() -> list[tuple]:
     rows = []
     for arch in ("deeplabv3", "deeplabv3plus"):
-        for backbone in BACKBONES:
+        for backbone in choices("model.backbone"):
             for aux in (False, True):
                 expected = expected_count(arch, backbone, aux)
                 counts = {

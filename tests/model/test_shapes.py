@@ -2,12 +2,11 @@
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from model.backbones import BACKBONES
+from engine.config import ModelConfig, choices
 from model.builder import build_model
 
 NUM_CLASSES = 5
-COMBINATIONS = [(arch, backbone, stride) for arch in ("deeplabv3", "deeplabv3plus") for backbone in BACKBONES
+COMBINATIONS = [(arch, backbone, stride) for arch in ("deeplabv3", "deeplabv3plus") for backbone in choices("model.backbone")
                 for stride in (8, 16)]
 HEAVY = {"resnet50", "resnet101"}
 
