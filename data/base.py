@@ -45,7 +45,8 @@ def bit_palette(num_colors: int) -> np.ndarray:
 
 
 def palette_image(mask: np.ndarray, palette: np.ndarray) -> Image.Image:
-    """HxW class-index mask -> PIL image in P mode colored by `palette` (num_classes x 3); 255 is black."""
+    """HxW class-index mask -> PIL image in P mode colored by `palette` (num_classes x 3); values past
+    the palette (the ignore label) are black."""
     mask = np.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"palette_image expects an HxW mask, got shape {mask.shape}")
@@ -92,16 +93,16 @@ def read_index_mask(path: str | os.PathLike) -> np.ndarray:
 
 
 class SegmentationDataset(Dataset):
-    """(image, mask) file pairs -> (uint8 tensor 3xHxW, int64 tensor HxW with 255 = ignore).
+    """(image, mask) file pairs -> (uint8 tensor 3xHxW, int64 tensor HxW with `ignore_index` = ignore).
 
-    `label_map` (256 entries) maps raw mask values to class indices (e.g. Cityscapes labelIds to
-    trainIds); without it raw values are the classes. Raw values outside [0, num_classes) that are
-    not 255 (or, with a label_map, outside `num_raw_labels`) make a sample bad. A bad sample raises
-    BadSampleError naming the file, or with `skip_bad_samples` logs a warning and yields the next
-    good sample instead (`num_skipped` counts them in this process).
+    Raw mask values map to class indices through one 256-entry lookup: without `label_map` the raw
+    values 0..num_classes-1 are the classes; with it (e.g. Cityscapes labelIds -> trainIds) raw values
+    below `num_raw_labels` map through the table, whose `label_map_ignore` entries mean "ignored". The
+    raw value `raw_ignore` (default: `ignore_index`, the value the files use for unlabeled pixels)
+    maps to `ignore_index`. Any other raw value makes a sample bad. A bad sample raises BadSampleError
+    naming the file, or with `skip_bad_samples` logs a warning and yields the next good sample instead
+    (`num_skipped` counts them in this process).
     """
-
-    ignore_index = IGNORE_INDEX
 
     def __init__(
         self,
@@ -109,9 +110,12 @@ class SegmentationDataset(Dataset):
         *,
         classes: Sequence[str],
         palette: np.ndarray,
+        ignore_index: int = IGNORE_INDEX,
+        raw_ignore: int | None = None,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
         label_map: np.ndarray | None = None,
+        label_map_ignore: int | None = None,
         num_raw_labels: int | None = None,
         description: str = "dataset",
     ) -> None:
@@ -120,20 +124,35 @@ class SegmentationDataset(Dataset):
         if len(self.palette) < len(self.classes):
             raise ValueError(f"{description}: palette has {len(self.palette)} colors for {len(self.classes)} classes")
         self.palette = self.palette[: len(self.classes)]
+        self.ignore_index = int(ignore_index)
+        self.raw_ignore = self.ignore_index if raw_ignore is None else int(raw_ignore)
         self.transform = transform
         self.skip_bad_samples = skip_bad_samples
         self.description = description
         self.num_skipped = 0
-        valid_raw = num_raw_labels if label_map is not None else len(self.classes)
-        if valid_raw is None:
-            raise ValueError("num_raw_labels is required with a label_map")
-        invalid = np.ones(256, dtype=np.uint8)
-        invalid[:valid_raw] = 0
-        invalid[IGNORE_INDEX] = 0
-        self._invalid_lut = invalid
-        self._num_valid_raw = valid_raw
-        self._label_map = None if label_map is None else np.asarray(label_map, dtype=np.uint8).reshape(256)
+        self._lookup, self._invalid_lut, self._num_valid_raw = self._lookup_tables(label_map, label_map_ignore,
+                                                                                   num_raw_labels)
         self.samples = self._existing(list(samples))
+
+    def _lookup_tables(self, label_map: np.ndarray | None, label_map_ignore: int | None,
+                       num_raw_labels: int | None) -> tuple[np.ndarray | None, np.ndarray, int]:
+        """(raw -> label table or None for the identity, raw -> 1 if invalid, number of valid raw labels)."""
+        if label_map is None:
+            num_valid = len(self.classes)
+            lookup = np.arange(256, dtype=np.uint8)
+        else:
+            if num_raw_labels is None:
+                raise ValueError("num_raw_labels is required with a label_map")
+            num_valid = num_raw_labels
+            lookup = np.asarray(label_map, dtype=np.uint8).reshape(256).copy()
+            if label_map_ignore is not None:
+                lookup[lookup == label_map_ignore] = self.ignore_index
+        lookup[self.raw_ignore] = self.ignore_index
+        invalid = np.ones(256, dtype=np.uint8)
+        invalid[:num_valid] = 0
+        invalid[self.raw_ignore] = 0
+        identity = np.array_equal(lookup, np.arange(256, dtype=np.uint8))
+        return (None if identity else lookup), invalid, num_valid
 
     def _existing(self, samples: list[tuple[Path, Path]]) -> list[tuple[Path, Path]]:
         kept = []
@@ -180,10 +199,10 @@ class SegmentationDataset(Dataset):
             bad = np.unique(mask[self._invalid_lut[mask].astype(bool)])
             raise BadSampleError(
                 f"mask '{mask_path}' has values {bad[:10].tolist()} outside [0, {self._num_valid_raw - 1}] "
-                "and != 255 (255 = ignore)"
+                f"and != {self.raw_ignore} (the ignore label, data.ignore_index)"
             )
-        if self._label_map is not None:
-            mask = cv2.LUT(mask, self._label_map)
+        if self._lookup is not None:
+            mask = cv2.LUT(mask, self._lookup)
         return image, mask
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from data.base import SegmentationDataset, Transform
+from data.transforms import IGNORE_INDEX
+
+TABLE_IGNORE = 255  # the official tables' trainId for labels left out of training and evaluation
 
 # (labelId, trainId, name, color) for every labelId 0..33; trainId 255 = ignored in training/evaluation.
 _LABELS = (
@@ -54,17 +57,18 @@ _LABELS = (
 )
 NUM_LABEL_IDS = len(_LABELS)  # raw labelIds 0..33 (license plate, -1, never appears in the PNGs)
 
-CITYSCAPES_CLASSES = tuple(name for _, train_id, name, _ in _LABELS if train_id != 255)
-CITYSCAPES_PALETTE = np.array([color for _, train_id, _, color in _LABELS if train_id != 255], dtype=np.uint8)
+CITYSCAPES_CLASSES = tuple(name for _, train_id, name, _ in _LABELS if train_id != TABLE_IGNORE)
+CITYSCAPES_PALETTE = np.array([color for _, train_id, _, color in _LABELS if train_id != TABLE_IGNORE],
+                              dtype=np.uint8)
 
 
 
 def _lookup_tables() -> tuple[np.ndarray, np.ndarray]:
-    label_to_train = np.full(256, 255, dtype=np.uint8)
-    train_to_label = np.zeros(256, dtype=np.uint8)  # 255 (ignore) -> 0 (unlabeled)
+    label_to_train = np.full(256, TABLE_IGNORE, dtype=np.uint8)
+    train_to_label = np.zeros(256, dtype=np.uint8)  # anything that is not a trainId -> 0 (unlabeled)
     for label_id, train_id, _, _ in _LABELS:
         label_to_train[label_id] = train_id
-        if train_id != 255:
+        if train_id != TABLE_IGNORE:
             train_to_label[train_id] = label_id
     label_to_train.setflags(write=False)
     train_to_label.setflags(write=False)
@@ -91,6 +95,7 @@ class CityscapesSegmentation(SegmentationDataset):
         root: str | Path,
         split: str,
         *,
+        ignore_index: int = IGNORE_INDEX,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
     ) -> None:
@@ -114,9 +119,12 @@ class CityscapesSegmentation(SegmentationDataset):
             samples,
             classes=CITYSCAPES_CLASSES,
             palette=CITYSCAPES_PALETTE,
+            ignore_index=ignore_index,
+            raw_ignore=255,  # not a labelId; treated as unlabeled
             transform=transform,
             skip_bad_samples=skip_bad_samples,
             label_map=LABELID_TO_TRAINID,
+            label_map_ignore=TABLE_IGNORE,
             num_raw_labels=NUM_LABEL_IDS,
             description=f"Cityscapes {split} ({self.root})",
         )

@@ -2,7 +2,8 @@
 
 Layout under `root`:
     images/<name>.{jpg,jpeg,png,bmp,tif,tiff,webp}
-    masks/<name>.png                    single-channel index PNGs (palette or grayscale), 255 = ignore
+    masks/<name>.png                    single-channel index PNGs (palette or grayscale); the value
+                                        data.ignore_index (default 255) marks unlabeled pixels
     <split>.txt                         optional: one image stem per line
 Split resolution: `root/<split>.txt` if it exists, else subfolders `images/<split>/` + `masks/<split>/`,
 else split "all" takes every image in images/.
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Sequence
 
 from data.base import SegmentationDataset, Transform, bit_palette
+from data.transforms import IGNORE_INDEX
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 LAYOUT = (
-    "expected images/<name>.jpg|png and masks/<name>.png (index PNGs, 255 = ignore) under data.root, "
+    "expected images/<name>.jpg|png and masks/<name>.png (index PNGs, data.ignore_index = unlabeled) under data.root, "
     "and either <split>.txt (one name per line), images/<split>/ + masks/<split>/ subfolders, or split 'all'"
 )
 
@@ -26,7 +28,8 @@ def _images_by_stem(folder: Path) -> dict[str, Path]:
 
 
 class FolderSegmentation(SegmentationDataset):
-    """Custom data: `num_classes` classes, names from `class_names` or class_0, class_1, ..."""
+    """Custom data: `num_classes` classes (1..255, with `class_names` of that length when given; the
+    config checks both), names from `class_names` or class_0, class_1, ..."""
 
     def __init__(
         self,
@@ -35,13 +38,10 @@ class FolderSegmentation(SegmentationDataset):
         *,
         num_classes: int,
         class_names: Sequence[str] = (),
+        ignore_index: int = IGNORE_INDEX,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
     ) -> None:
-        if num_classes <= 0 or num_classes > 255:
-            raise ValueError(f"dataset 'folder' needs data.num_classes in [1, 255], got {num_classes}")
-        if class_names and len(class_names) != num_classes:
-            raise ValueError(f"data.class_names has {len(class_names)} names but data.num_classes={num_classes}")
         if not str(root):
             raise FileNotFoundError(f"data.root is empty for dataset 'folder'; {LAYOUT}")
         self.root = Path(root).expanduser()
@@ -76,6 +76,7 @@ class FolderSegmentation(SegmentationDataset):
             samples,
             classes=tuple(class_names) or tuple(f"class_{i}" for i in range(num_classes)),
             palette=bit_palette(num_classes),
+            ignore_index=ignore_index,
             transform=transform,
             skip_bad_samples=skip_bad_samples,
             description=f"folder {split} ({self.root})",

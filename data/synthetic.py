@@ -25,7 +25,8 @@ from data.transforms import IGNORE_INDEX, to_tensors
 
 SHAPE_NAMES = ("disc", "rectangle", "triangle", "ring", "cross", "star", "hexagon")
 DEFAULT_NUM_CLASSES = 6  # background + the first five shapes
-MIN_IMAGE_SIZE = 16
+MAX_CLASSES = len(SHAPE_NAMES) + 1
+MIN_IMAGE_SIZE = 16  # smaller images leave shapes of a pixel or two
 
 _MIN_SHAPES, _MAX_SHAPES = 1, 4
 _RADIUS_RANGE = (0.14, 0.30)  # shape radius as a fraction of the image side
@@ -110,11 +111,10 @@ def _pick_color(rng: np.random.Generator, used: list[np.ndarray]) -> np.ndarray:
 def render_shapes(
     rng: np.random.Generator, image_size: int, *, num_classes: int = DEFAULT_NUM_CLASSES
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One synthetic sample: (image HxWx3 uint8 RGB, mask HxW uint8 in [0, num_classes)), H = W = image_size."""
-    if not 2 <= num_classes <= len(SHAPE_NAMES) + 1:
-        raise ValueError(f"synthetic num_classes={num_classes} must be in [2, {len(SHAPE_NAMES) + 1}]")
-    if image_size < MIN_IMAGE_SIZE:
-        raise ValueError(f"synthetic image size {image_size} must be >= {MIN_IMAGE_SIZE}")
+    """One synthetic sample: (image HxWx3 uint8 RGB, mask HxW uint8 in [0, num_classes)), H = W = image_size.
+
+    2 <= num_classes <= MAX_CLASSES and image_size >= MIN_IMAGE_SIZE (data.* limits the config checks).
+    """
     size = image_size
     ramp = np.linspace(-1.0, 1.0, size, dtype=np.float32)
     background = _pick_color(rng, [])
@@ -161,11 +161,11 @@ CACHE_BYTES = 256 * 2**20  # per process: renders kept when the whole split fits
 class SyntheticShapes(Dataset):
     """`length` procedurally generated samples of split `split`, each (uint8 3xHxW, int64 HxW) after `transform`.
 
+    length >= 1, 2 <= num_classes <= MAX_CLASSES, image_size >= MIN_IMAGE_SIZE (the config checks them).
+
     Samples are rendered on first use. When the whole split fits in `cache_bytes`, each process
     (each persistent DataLoader worker) keeps its renders, read-only, so later epochs only augment.
     """
-
-    ignore_index = IGNORE_INDEX
 
     def __init__(
         self,
@@ -175,16 +175,11 @@ class SyntheticShapes(Dataset):
         num_classes: int = DEFAULT_NUM_CLASSES,
         seed: int = 0,
         split: str = "train",
+        ignore_index: int = IGNORE_INDEX,
         transform: Transform | None = None,
         cache_bytes: int = CACHE_BYTES,
     ) -> None:
-        if length <= 0:
-            raise ValueError(f"synthetic dataset size {length} must be > 0 (data.synthetic_train_size / _val_size)")
-        if not 2 <= num_classes <= len(SHAPE_NAMES) + 1:
-            raise ValueError(f"data.num_classes={num_classes}: the synthetic dataset supports 2 to "
-                             f"{len(SHAPE_NAMES) + 1} classes (0 = default {DEFAULT_NUM_CLASSES})")
-        if image_size < MIN_IMAGE_SIZE:
-            raise ValueError(f"data.synthetic_image_size={image_size} must be >= {MIN_IMAGE_SIZE}")
+        self.ignore_index = ignore_index  # rendered masks hold no ignore pixels; crop padding does
         self.length = length
         self.image_size = image_size
         self.seed = seed

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from data.base import SegmentationDataset, Transform, bit_palette
+from data.transforms import IGNORE_INDEX
 
 VOC_CLASSES = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -19,6 +20,7 @@ VOC_CLASSES = (
 )
 VOC_PALETTE = bit_palette(len(VOC_CLASSES))
 AUG_SPLIT = "train_aug"
+VOC_VOID = 255  # the annotations' value for object boundaries and unlabeled pixels (read as the ignore label)
 
 LAYOUT = (
     "expected a VOC2012 folder with JPEGImages/<id>.jpg, SegmentationClass/<id>.png and "
@@ -60,6 +62,7 @@ class VOCSegmentation(SegmentationDataset):
         root: str | Path,
         split: str,
         *,
+        ignore_index: int = IGNORE_INDEX,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
     ) -> None:
@@ -78,6 +81,8 @@ class VOCSegmentation(SegmentationDataset):
             [(self.root / "JPEGImages" / f"{i}.jpg", mask_dir / f"{i}.png") for i in ids],
             classes=VOC_CLASSES,
             palette=VOC_PALETTE,
+            ignore_index=ignore_index,
+            raw_ignore=VOC_VOID,
             transform=transform,
             skip_bad_samples=skip_bad_samples,
             description=f"VOC {split} ({list_file})",
