@@ -1,10 +1,14 @@
-"""Checkpoints: the only place that calls torch.save / torch.load.
+"""Checkpoints: the only place that calls torch.save / torch.load, and loading one into a model on a device.
 
 A checkpoint is a dict of primitives and tensors (DESIGN.md): `format_version`, `model` (unwrapped
-state dict), `config` (engine.config.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
+state dict), `config` (engine.config_io.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
 `optimizer`, `scheduler`, `scaler`, `rng`. It loads with `weights_only=True`, so no pickled classes.
 Files are written atomically: a temporary file in the same folder, fsync, then os.replace, so an
 existing checkpoint is either the old one or the new one, never half-written.
+
+`load_inference_model` is what eval.py and predict.py share: checkpoint -> config (with overrides and
+CLI flags) -> model with the weights, on a device, in eval mode. `resolve_training_config` is
+train.py's --config / --resume logic.
 """
 from __future__ import annotations
 
@@ -12,11 +16,16 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from engine.config import Config
+from engine.config_io import build_config, from_dict, inference_config, load_config, parse_overrides
+from model.builder import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +123,6 @@ def load_checkpoint(path: str | Path, *, required_keys: Iterable[str] = REQUIRED
     return payload
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside DataParallel / DistributedDataParallel wrappers (nested ones too)."""
-    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        model = model.module
-    return model
-
-
 def describe_architecture(model_cfg: Any) -> str:
     """The model.* settings that decide the state dict's keys and shapes, as KEY=VALUE text."""
     return (f"model.arch={model_cfg.arch} model.backbone={model_cfg.backbone} "
@@ -155,3 +157,62 @@ def load_model_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
             f"{'; '.join(problems)}; drop the model.* overrides"
         )
     model.load_state_dict(state_dict, strict=True)
+
+
+@dataclass
+class InferenceModel:
+    """A checkpoint's model ready for inference (eval mode, on `device`) and what describes it."""
+
+    model: nn.Module
+    config: Config  # the checkpoint's config with the overrides and flags applied
+    classes: list[str]
+    iteration: int | None
+    path: Path
+    device: torch.device
+
+
+def load_inference_model(path: str | Path, *, device: torch.device, overrides: list[str] | tuple[str, ...] = (),
+                         flags: Mapping[str, Any] | None = None) -> InferenceModel:
+    """Load checkpoint `path` (best.pt or last.pt) for evaluation or prediction on `device`.
+
+    The model is rebuilt from the stored config; `overrides` (KEY=VALUE) and `flags` ({"eval.mode":
+    ...}, None values ignored) apply on top. Raises FileNotFoundError / ValueError with one line
+    naming the file, the key or the mismatching tensor.
+    """
+    path = Path(path)
+    payload = load_checkpoint(path)
+    source = f"checkpoint '{path}'"
+    config = inference_config(payload["config"], overrides, source=source, flags=flags)
+    classes = [str(name) for name in payload["classes"]]
+    model = build_model(config.model, len(classes))
+    load_model_weights(model, payload.pop("model"), checkpoint=path,
+                       saved_model_cfg=from_dict(payload["config"], source=source).model, model_cfg=config.model)
+    model.to(device).eval()
+    return InferenceModel(model=model, config=config, classes=classes, iteration=payload.get("iteration"),
+                          path=path, device=device)
+
+
+def resolve_training_config(config_name: str | None, resume: str | None,
+                            overrides: list[str] | tuple[str, ...]) -> tuple[Config, dict[str, Any] | None]:
+    """(config, resume payload or None) for train.py's --config, --resume (auto | PATH) and overrides.
+
+    `--resume auto` continues from <run dir>/last.pt when it exists (else starts fresh); a resumed run
+    takes the checkpoint's config with the overrides on top.
+    """
+    if config_name is None and resume in (None, "auto"):
+        raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
+    config = load_config(config_name, overrides) if config_name else None
+    if resume is None:
+        return config, None
+    if resume == "auto":
+        path = config.run_dir / "last.pt"
+        if not path.is_file():
+            logger.info("--resume auto: no %s yet, starting from scratch", path)
+            return config, None
+    else:
+        path = Path(resume)
+    payload = load_checkpoint(path, required_keys=RESUME_KEYS)
+    saved = from_dict(payload["config"], source=str(path))
+    config = build_config(parse_overrides(overrides), source="command line", base=saved)
+    logger.info("resuming from %s at iteration %d", path, payload["iteration"])
+    return config, payload

@@ -1,13 +1,15 @@
-"""Device setup for training: CPU, one process over several GPUs (DataParallel), or torchrun (DDP).
+"""Devices: CPU, one process over several GPUs (DataParallel), or torchrun (DDP); precision; rank helpers.
 
-`setup_distributed(gpus)` decides the topology once, from the `--gpus` value and the torchrun
+`setup_distributed(gpus)` decides the training topology once, from the `--gpus` value and the torchrun
 environment (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`), and returns a `DistInfo`. The rest of the engine
 asks `DistInfo` (or the helpers below, which read torch.distributed) instead of the environment.
+`inference_device(name)` is the one parser of `--device` for eval.py and predict.py, and
+`autocast_for(device, precision)` the one table from `train.amp` / `eval.amp` to autocast.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
-
 import logging
 import os
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-MODES = ("cpu", "dp", "ddp")
+_AUTOCAST_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}  # engine.config.Precision
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,13 @@ class DistInfo:
         if self.mode == "dp":
             return max(1, len(self.device_ids))
         return self.world_size
+
+    def describe(self) -> str:
+        if self.mode == "ddp":
+            return f"DDP over {self.world_size} processes"
+        if self.num_replicas > 1:
+            return f"DataParallel over GPUs {','.join(map(str, self.device_ids))}"
+        return f"one device ({self.device})"
 
 
 def parse_gpus(gpus: str) -> tuple[int, ...]:
@@ -126,6 +135,38 @@ def setup_distributed(gpus: str | None) -> DistInfo:
             f"this machine has {count} GPU(s): ids 0..{count - 1}"
         )
     return DistInfo(device=torch.device("cuda", ids[0]), mode="dp", device_ids=ids)
+
+
+def inference_device(name: str | None, dist_info: DistInfo | None = None) -> torch.device:
+    """The device for eval.py / predict.py: `name` (cpu, cuda, cuda:N; None = cuda if available, else
+    cpu), or this process's device under torchrun. ValueError naming the value when it cannot be used."""
+    if dist_info is not None and dist_info.mode == "ddp":
+        if name is not None:
+            raise ValueError(f"--device {name} cannot be combined with torchrun: each process uses "
+                             "cuda:LOCAL_RANK (or the CPU without CUDA)")
+        return dist_info.device
+    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name!r}: expected cpu, cuda or cuda:N")
+    return device
+
+
+def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The autocast context for `precision` (off | fp16 | bf16) on `device`."""
+    dtype = _AUTOCAST_DTYPES[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def is_dist() -> bool:

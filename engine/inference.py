@@ -15,8 +15,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-MODES = ("whole", "slide")
-
 
 def _forward(model: nn.Module, images: torch.Tensor, num_classes: int) -> torch.Tensor:
     """The model's logits (float32) resized to the input size."""
@@ -32,24 +30,24 @@ def _forward(model: nn.Module, images: torch.Tensor, num_classes: int) -> torch.
     return output
 
 
-def window_starts(length: int, crop: int, stride: int) -> list[int]:
-    """Start offsets of windows of size min(crop, length) covering [0, length) with the given stride;
+def window_starts(length: int, window: int, stride: int) -> list[int]:
+    """Start offsets of windows of size min(window, length) covering [0, length) with the given stride;
     the last window is shifted back to end at the border, so no window extends past the image."""
-    if crop >= length:
+    if window >= length:
         return [0]
-    count = (length - crop + stride - 1) // stride + 1
-    return [min(index * stride, length - crop) for index in range(count)]
+    count = (length - window + stride - 1) // stride + 1
+    return [min(index * stride, length - window) for index in range(count)]
 
 
-def _slide(model: nn.Module, images: torch.Tensor, *, num_classes: int, crop_size: int, stride: int) -> torch.Tensor:
+def _slide(model: nn.Module, images: torch.Tensor, *, num_classes: int, window_size: int, stride: int) -> torch.Tensor:
     batch, _, height, width = images.shape
-    if crop_size >= height and crop_size >= width:
+    if window_size >= height and window_size >= width:
         return _forward(model, images, num_classes)
     logits = images.new_zeros((batch, num_classes, height, width), dtype=torch.float32)
     counts = images.new_zeros((1, 1, height, width), dtype=torch.float32)
-    crop_h, crop_w = min(crop_size, height), min(crop_size, width)
-    for top in window_starts(height, crop_size, stride):
-        for left in window_starts(width, crop_size, stride):
+    crop_h, crop_w = min(window_size, height), min(window_size, width)
+    for top in window_starts(height, window_size, stride):
+        for left in window_starts(width, window_size, stride):
             window = images[:, :, top:top + crop_h, left:left + crop_w]
             logits[:, :, top:top + crop_h, left:left + crop_w] += _forward(model, window, num_classes)
             counts[:, :, top:top + crop_h, left:left + crop_w] += 1
@@ -63,32 +61,26 @@ def predict(
     *,
     num_classes: int,
     mode: str = "whole",
-    crop_size: int = 513,
+    window_size: int = 513,
     stride: int = 341,
     scales: Sequence[float] = (1.0,),
     flip: bool = False,
 ) -> torch.Tensor:
     """Logits N x num_classes x H x W (float32) for normalized float images N x 3 x H x W.
 
-    mode "whole" runs the model on the full image; "slide" on crop_size x crop_size windows every
-    `stride` pixels, overlapping logits averaged. Each scale in `scales` resizes the image
-    (bilinear), runs `mode`, and resizes the logits back; with `flip` every scale also runs on the
-    horizontally flipped image (logits flipped back). All passes are averaged. The model is used as
-    given (call model.eval() first). Raises ValueError on a bad mode, size, stride or scale.
+    mode "whole" runs the model on the full image; "slide" on window_size x window_size windows every
+    `stride` pixels (<= window_size), overlapping logits averaged. Each scale in `scales` (positive)
+    resizes the image (bilinear), runs `mode`, and resizes the logits back; with `flip` every scale
+    also runs on the horizontally flipped image (logits flipped back). All passes are averaged. The
+    settings are an eval config section's (engine.config.EvalConfig, validated there). The model is
+    used as given (call model.eval() first). Raises ValueError for images that are not N x C x H x W
+    floats.
     """
-    if mode not in MODES:
-        raise ValueError(f"predict: mode={mode!r} is not one of {', '.join(MODES)}")
     if images.ndim != 4:
         raise ValueError(f"predict: images must be N x C x H x W, got shape {tuple(images.shape)}")
     if not images.is_floating_point():
         raise ValueError(f"predict: images must be normalized float tensors, got {images.dtype} "
                          "(use data.transforms.normalize_batch)")
-    if crop_size <= 0 or stride <= 0:
-        raise ValueError(f"predict: crop_size={crop_size} and stride={stride} must be > 0")
-    if stride > crop_size and mode == "slide":
-        raise ValueError(f"predict: stride={stride} > crop_size={crop_size} would leave pixels uncovered")
-    if not scales or any(scale <= 0 for scale in scales):
-        raise ValueError(f"predict: scales={tuple(scales)} must be a non-empty list of positive numbers")
     height, width = images.shape[-2:]
     total = None
     passes = 0
@@ -103,7 +95,7 @@ def predict(
             if mode == "whole":
                 logits = _forward(model, inputs, num_classes)
             else:
-                logits = _slide(model, inputs, num_classes=num_classes, crop_size=crop_size, stride=stride)
+                logits = _slide(model, inputs, num_classes=num_classes, window_size=window_size, stride=stride)
             if flipped:
                 logits = logits.flip(-1)
             if logits.shape[-2:] != (height, width):

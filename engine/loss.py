@@ -1,0 +1,120 @@
+"""SegmentationLoss: pixel-wise cross-entropy with ignore label, class weights, OHEM and an aux head,
+normalized by the valid pixels of the *global* batch.
+
+`terms(outputs, target)` gives, per head ("out", "aux"), the pair (sum of per-pixel losses, sum of
+per-pixel weights); dividing the first by the second is the weighted mean that
+`F.cross_entropy(..., weight=w, ignore_index=i)` computes. `forward` divides each head's loss sum by its
+weight sum over every process of torch.distributed (one small all-reduce; outside torch.distributed
+the local sum), so the losses of all processes add up to the loss of the global batch, however it
+is split, and their gradients add up to its gradient.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import all_reduce_sum
+
+
+def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator, 0 where nothing was counted (a batch of ignored pixels only)."""
+    return torch.where(denominator > 0, numerator / denominator.clamp_min(1e-12), numerator * 0)
+
+
+class SegmentationLoss(nn.Module):
+    """out + aux_weight * aux, each the (class-weighted, OHEM-filtered) mean over valid pixels.
+
+    OHEM keeps the pixels whose true-class probability is at most `ohem_thresh`, and at least the
+    `ohem_min_kept` hardest ones.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int,
+        class_weights: Sequence[float] | None = None,
+        ohem: bool = False,
+        ohem_thresh: float = 0.7,
+        ohem_min_kept: int = 100000,
+        aux_weight: float = 0.4,
+    ) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        weights = torch.tensor(list(class_weights), dtype=torch.float32) if class_weights else None
+        self.register_buffer("class_weights", weights, persistent=False)
+        self.ohem = ohem
+        self.ohem_thresh = ohem_thresh
+        self.ohem_min_kept = ohem_min_kept
+        self.aux_weight = aux_weight
+
+    def head_terms(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, weight sum) for logits N x C x H x W (any float dtype) and target N x H x W."""
+        logits = logits.float()
+        num_classes = logits.shape[1]
+        weights = self.class_weights
+        if weights is not None:
+            if weights.numel() != num_classes:
+                raise ValueError(f"train.class_weights has {weights.numel()} values but the model predicts "
+                                 f"{num_classes} classes")
+            weights = weights.to(logits.device)
+        valid = target != self.ignore_index
+        safe_target = torch.where(valid, target, torch.zeros_like(target))
+        if target.device.type == "cpu":  # on CUDA this check would synchronize every step
+            low, high = torch.aminmax(safe_target)
+            if low < 0 or high >= num_classes:
+                bad = low.item() if low < 0 else high.item()
+                raise ValueError(f"mask value {bad} is not a class index in 0..{num_classes - 1} "
+                                 f"nor ignore_index={self.ignore_index}")
+        losses = F.cross_entropy(logits, target, weight=weights, ignore_index=self.ignore_index, reduction="none")
+        pixel_weight = weights[safe_target] * valid if weights is not None else valid.to(losses.dtype)
+        if self.ohem:
+            keep = self._ohem_keep(logits.detach(), safe_target, valid)
+            losses = losses * keep
+            pixel_weight = pixel_weight * keep
+        return losses.sum(), pixel_weight.sum()
+
+    def _ohem_keep(self, logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        probability = logits.softmax(dim=1).gather(1, target.unsqueeze(1)).squeeze(1)
+        probability = torch.where(valid, probability, torch.full_like(probability, 2.0))
+        threshold = torch.tensor(self.ohem_thresh, device=logits.device)
+        num_valid = int(valid.sum())
+        if self.ohem_min_kept > 0 and num_valid > 0:
+            kth = min(self.ohem_min_kept, num_valid)
+            kth_value = probability.flatten().kthvalue(kth).values
+            threshold = torch.maximum(threshold, kth_value)
+        # `<=` keeps the min_kept-th pixel itself; ties at the threshold are kept too.
+        return (valid & (probability <= threshold)).to(logits.dtype)
+
+    def terms(self, outputs: Mapping[str, torch.Tensor], target: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        heads = {"out": outputs["out"]}
+        if "aux" in outputs:  # even at weight 0: DDP expects a gradient for every parameter
+            heads["aux"] = outputs["aux"]
+        return {name: self.head_terms(logits, target) for name, logits in heads.items()}
+
+    def head_factor(self, name: str) -> float:
+        return 1.0 if name == "out" else self.aux_weight
+
+    def forward(self, outputs: Mapping[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        """This process's share of the global-batch loss (the loss itself outside torch.distributed)."""
+        terms = self.terms(outputs, target)
+        weights = torch.stack([weight.detach() for _, weight in terms.values()])
+        all_reduce_sum(weights)
+        total = torch.zeros((), device=target.device)
+        for (name, (loss_sum, _)), weight in zip(terms.items(), weights):
+            total = total + self.head_factor(name) * _safe_divide(loss_sum, weight)
+        return total
+
+
+def build_loss(train_cfg: Any, *, ignore_index: int) -> SegmentationLoss:
+    """The loss configured by a `train` config section, ignoring `ignore_index` (data.ignore_index)."""
+    return SegmentationLoss(
+        ignore_index=ignore_index,
+        class_weights=tuple(train_cfg.class_weights) or None,
+        ohem=train_cfg.ohem,
+        ohem_thresh=train_cfg.ohem_thresh,
+        ohem_min_kept=train_cfg.ohem_min_kept,
+        aux_weight=train_cfg.aux_weight,
+    )

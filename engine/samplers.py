@@ -1,0 +1,118 @@
+"""What each process loads: resumable training batches, non-padding evaluation shards, the DataLoaders.
+
+Training order: epoch e is a permutation drawn from (train.seed, e); global batch t is its t-th slice
+of `train.batch_size` samples, and each process loads its own part of that slice, so any number of
+processes together see exactly the global batches of one process. Every sample carries a seed drawn
+from the same generator (engine.seeding.SeededDataset uses it for the augmentation), and DataLoaders
+use their own generators, never the global RNG: a run stopped at iteration K and resumed computes the
+same losses as an uninterrupted run.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from engine.distributed import get_rank, get_world_size
+from engine.seeding import SeededDataset, mix_seed, worker_init
+
+
+class ResumableBatchSampler(Sampler):
+    """Batches of (index, sample_seed) for one process, reproducible from (seed, epoch).
+
+    Global batch t is permutation[t*G:(t+1)*G] with G = batch_size * world_size, and process `rank`
+    gets the rank-th slice of it. The incomplete last global batch is dropped. `set_epoch(e,
+    start_batch=k)` skips the first k batches (resume).
+    """
+
+    def __init__(self, num_samples: int, *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        global_batch = batch_size * world_size
+        if num_samples < global_batch:
+            raise ValueError(f"the training split has {num_samples} samples, fewer than one global batch "
+                             f"(train.batch_size={global_batch}); lower train.batch_size")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.start_batch = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_samples // (self.batch_size * self.world_size)
+
+    def set_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
+        if not 0 <= start_batch <= self.batches_per_epoch:
+            raise ValueError(f"start_batch={start_batch} outside 0..{self.batches_per_epoch}")
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch - self.start_batch
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        seeds = torch.randint(0, 2**31 - 1, (self.num_samples,), generator=generator).tolist()
+        global_batch = self.batch_size * self.world_size
+        for batch in range(self.start_batch, self.batches_per_epoch):
+            first = batch * global_batch + self.rank * self.batch_size
+            yield [(order[j], seeds[j]) for j in range(first, first + self.batch_size)]
+
+
+class ShardSampler(Sampler[int]):
+    """Indices rank, rank + world_size, ... of range(num_samples), in order, without padding.
+
+    Shards are disjoint and together cover every index once; their lengths differ by at most one.
+    rank / world_size default to torch.distributed's (0 / 1 when it is not initialized).
+    """
+
+    def __init__(self, num_samples: int, *, rank: int | None = None, world_size: int | None = None):
+        self.rank = get_rank() if rank is None else rank
+        self.world_size = get_world_size() if world_size is None else world_size
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"ShardSampler: rank={self.rank} must lie in [0, world_size={self.world_size})")
+        self.num_samples = num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.num_samples, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_samples, self.world_size))
+
+
+def build_train_loader(dataset: Dataset, sampler: ResumableBatchSampler, *, num_workers: int, pin_memory: bool,
+                       seed: int) -> DataLoader:
+    """The training DataLoader: seeded samples in `sampler`'s order, persistent workers."""
+    return DataLoader(
+        SeededDataset(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+        worker_init_fn=worker_init, persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def build_eval_loader(
+    dataset: Dataset, *, batch_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
+    rank: int | None = None, world_size: int | None = None, seed: int = 0,
+) -> DataLoader:
+    """A DataLoader over this process's ShardSampler shard, in dataset order, no shuffling or padding.
+
+    batch_size > 1 needs images of one size (the default collate stacks them). Its own generator keeps
+    it from drawing on the global RNG (a validation must not shift training's random stream).
+    """
+    sampler = ShardSampler(len(dataset), rank=rank, world_size=world_size)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, drop_last=False, persistent_workers=False, worker_init_fn=worker_init,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def train_batches(loader: DataLoader, start_iteration: int) -> Iterator[Any]:
+    """The batches of `loader` (whose batch_sampler is a ResumableBatchSampler) from global step
+    `start_iteration` on, epoch after epoch, forever."""
+    sampler = loader.batch_sampler
+    epoch, start = divmod(start_iteration, sampler.batches_per_epoch)
+    while True:
+        sampler.set_epoch(epoch, start_batch=start)
+        yield from loader
+        epoch, start = epoch + 1, 0
