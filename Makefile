@@ -24,7 +24,7 @@ test-fast: $(STAMP)
 # Every benchmark: each prints its table and writes JSON under benchmarks/results/.
 BENCHMARKS := bench_syncbn bench_model bench_data bench_eval bench_train
 bench: $(STAMP)
-	for name in $(BENCHMARKS); do $(PY) benchmarks/$$name.py || exit 1; done
+	for name in $(BENCHMARKS); do $(PY) -m benchmarks.$$name || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The engine (torch, torchvision, albumentations) is imported after the arguments are parsed, so that
+# --help and argument errors answer at once.
 
 logger = logging.getLogger("eval")
 
@@ -37,14 +36,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu; "
                                          "under torchrun each process uses cuda:LOCAL_RANK)")
     parser.add_argument("--split", help="dataset split to evaluate (default: the config's data.val_split)")
-    parser.add_argument("--mode", choices=("whole", "slide"), help="whole image, or sliding windows of "
-                                                                   "eval.crop_size every eval.stride pixels")
+    parser.add_argument("--mode", help="whole (the full image) or slide (windows of eval.window_size every "
+                                       "eval.stride pixels); default: the checkpoint's eval.mode")
     parser.add_argument("--scales", help="comma-separated test scales, e.g. 0.5,0.75,1.0,1.25,1.5,1.75")
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                         help="also predict the horizontally flipped image and average the logits")
-    parser.add_argument("--amp", choices=("off", "fp16", "bf16"),
-                        help="autocast for inference (default: the checkpoint's train.amp, which training's "
-                             "validation also uses, so both report the same numbers; 'off' for full precision)")
+    parser.add_argument("--amp", help="autocast for inference: off, fp16 or bf16 (default: the checkpoint's "
+                                      "eval.amp, which training's validation also uses, so both report the "
+                                      "same numbers)")
     parser.add_argument("--save-predictions", metavar="DIR",
                         help="write DIR/color/<name>.png (palette) and DIR/labels/<name>.png (class ids; "
                              "Cityscapes: labelIds for the benchmark server)")
@@ -53,14 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides on top of the checkpoint's config, e.g. data.root=/data/VOC2012")
     return parser.parse_intermixed_args(argv)  # overrides may come before, between or after the options
-
-
-def resolve_config(args: argparse.Namespace, payload: dict[str, Any]):
-    """The checkpoint's config, then KEY=VALUE overrides, then the --mode/--scales/--flip flags."""
-    from engine.config import inference_config
-
-    return inference_config(payload["config"], args.overrides, source=f"checkpoint '{args.checkpoint}'",
-                            mode=args.mode, scales=args.scales, flip=args.flip)
 
 
 def check_classes(checkpoint: str, checkpoint_classes: list[str], dataset: Any, data_cfg: Any, split: str) -> None:
@@ -108,111 +99,77 @@ def format_table(classes: list[str], metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _device(args: argparse.Namespace, dist_info: Any):
-    import torch
+def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
+    """on_batch callback writing DIR/color/<name>.png and DIR/labels/<name>.png for each prediction."""
+    import numpy as np
+    from PIL import Image
 
-    if dist_info is not None and dist_info.mode == "ddp":
-        if args.device is not None:
-            raise ValueError(f"--device {args.device} cannot be combined with torchrun: each process uses "
-                             "cuda:LOCAL_RANK (or the CPU without CUDA)")
-        return dist_info.device
-    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a device; expected cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        torch.cuda.set_device(device)
-    elif device.type != "cpu":
-        raise ValueError(f"--device {name!r}: expected cpu, cuda or cuda:N")
-    return device
+    from data import palette_image
+    from data.cityscapes import TRAINID_TO_LABELID
+
+    color_dir, label_dir = output_dir / "color", output_dir / "labels"
+    color_dir.mkdir(parents=True, exist_ok=True)
+    label_dir.mkdir(parents=True, exist_ok=True)
+    batches = list(loader.batch_sampler)  # the shard's indices, in the order the loader yields them
+    palette = np.asarray(dataset.palette, dtype=np.uint8)
+    to_label_ids = TRAINID_TO_LABELID if config.data.dataset == "cityscapes" else None
+
+    def save_batch(batch_index: int, predictions: Any, masks: Any) -> None:
+        for index, prediction in zip(batches[batch_index], predictions.numpy().astype(np.uint8)):
+            name = dataset.name_of(index)
+            palette_image(prediction, palette).save(color_dir / f"{name}.png")
+            labels = to_label_ids[prediction] if to_label_ids is not None else prediction
+            Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint8)).save(label_dir / f"{name}.png")
+
+    return save_batch
 
 
 def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Evaluate; returns (the JSON record written by rank 0 with --output, evaluate()'s metrics)."""
-    import numpy as np
-    import torch
-
-    from data import build_dataset, palette_image
-    from engine.checkpoint import load_checkpoint, load_model_weights
-    from engine.config import from_dict
-    from engine.evaluate import build_eval_loader, evaluate
-    from model.builder import build_model
+    from data import build_dataset
+    from engine.checkpoint import load_inference_model
+    from engine.distributed import inference_device
+    from engine.evaluate import evaluate
+    from engine.samplers import build_eval_loader
 
     is_main = dist_info is None or dist_info.is_main
-    device = _device(args, dist_info)
-    payload = load_checkpoint(args.checkpoint)
-    config = resolve_config(args, payload)
-    if config.eval.mode == "slide" and config.eval.stride > config.eval.crop_size:
-        raise ValueError(f"eval.stride={config.eval.stride} > eval.crop_size={config.eval.crop_size} would leave "
-                         "pixels between the sliding windows uncovered; use a stride <= the crop size")
-    saved_model_cfg = from_dict(payload["config"]).model
+    device = inference_device(args.device, dist_info)
+    loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides,
+                                  flags={"eval.mode": args.mode, "eval.scales": args.scales,
+                                         "eval.flip": args.flip, "eval.amp": args.amp})
+    config, classes = loaded.config, loaded.classes
     split = args.split or config.data.val_split
     dataset = build_dataset(config.data, split, train=False)
-    checkpoint_classes = [str(name) for name in payload["classes"]]
-    check_classes(args.checkpoint, checkpoint_classes, dataset, config.data, split)
-    num_classes = len(checkpoint_classes)
-    model = build_model(config.model, num_classes)
-    load_model_weights(model, payload["model"], checkpoint=args.checkpoint, saved_model_cfg=saved_model_cfg,
-                       model_cfg=config.model)
-    payload.pop("model")  # free host memory before the loop
-    payload.pop("optimizer", None)
-    model.to(device).eval()
-
+    check_classes(args.checkpoint, classes, dataset, config.data, split)
     loader = build_eval_loader(dataset, batch_size=config.eval.batch_size, num_workers=config.data.num_workers,
                                pin_memory=device.type == "cuda")
     on_batch = None
     if args.save_predictions:
-        output_dir = Path(args.save_predictions)
-        color_dir, label_dir = output_dir / "color", output_dir / "labels"
-        color_dir.mkdir(parents=True, exist_ok=True)
-        label_dir.mkdir(parents=True, exist_ok=True)
-        batches = list(loader.batch_sampler)  # the shard's indices, in the order the loader yields them
-        palette = np.asarray(dataset.palette, dtype=np.uint8)
-        to_label_ids = None
-        if config.data.dataset == "cityscapes":
-            from data.cityscapes import TRAINID_TO_LABELID
-
-            to_label_ids = TRAINID_TO_LABELID
-        from PIL import Image
-
-        def save_batch(batch_index: int, predictions: torch.Tensor, masks: torch.Tensor) -> None:
-            for index, prediction in zip(batches[batch_index], predictions.numpy().astype(np.uint8)):
-                name = dataset.name_of(index)
-                palette_image(prediction, palette).save(color_dir / f"{name}.png")
-                labels = to_label_ids[prediction] if to_label_ids is not None else prediction
-                Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint8)).save(label_dir / f"{name}.png")
-
-        on_batch = save_batch
-
+        on_batch = _prediction_saver(Path(args.save_predictions), loader, dataset, config)
     eval_cfg = config.eval
-    amp = args.amp or config.train.amp
     if is_main:
-        logger.info("evaluating %s (iteration %s) on %s/%s: %d images, mode=%s%s, scales=%s, flip=%s, device %s",
-                    args.checkpoint, payload.get("iteration"), config.data.dataset, split, len(dataset), eval_cfg.mode,
-                    f" crop={eval_cfg.crop_size} stride={eval_cfg.stride}" if eval_cfg.mode == "slide" else "",
-                    ",".join(map(str, eval_cfg.scales)), eval_cfg.flip, device)
-    metrics = evaluate(model, loader, num_classes=num_classes, device=device, mean=config.data.mean,
+        logger.info("evaluating %s (iteration %s) on %s/%s: %d images, mode=%s%s, scales=%s, flip=%s, amp=%s, "
+                    "device %s", args.checkpoint, loaded.iteration, config.data.dataset, split, len(dataset),
+                    eval_cfg.mode, f" window={eval_cfg.window_size} stride={eval_cfg.stride}"
+                    if eval_cfg.mode == "slide" else "", ",".join(map(str, eval_cfg.scales)), eval_cfg.flip,
+                    eval_cfg.amp, device)
+    metrics = evaluate(loaded.model, loader, num_classes=len(classes), device=device, mean=config.data.mean,
                        std=config.data.std, eval_cfg=eval_cfg, ignore_index=config.data.ignore_index,
-                       classes=checkpoint_classes, progress=is_main and not args.no_progress, amp=amp,
-                       on_batch=on_batch)
+                       classes=classes, progress=is_main and not args.no_progress, on_batch=on_batch)
     return _plain({
         "checkpoint": str(args.checkpoint),
-        "iteration": payload.get("iteration"),
+        "iteration": loaded.iteration,
         "dataset": config.data.dataset,
         "split": split,
         "protocol": {
             "mode": eval_cfg.mode,
-            "crop_size": eval_cfg.crop_size if eval_cfg.mode == "slide" else None,
+            "window_size": eval_cfg.window_size if eval_cfg.mode == "slide" else None,
             "stride": eval_cfg.stride if eval_cfg.mode == "slide" else None,
             "scales": list(eval_cfg.scales),
             "flip": eval_cfg.flip,
             "base_size": config.data.base_size,
-            "amp": amp,
+            "amp": eval_cfg.amp,
+            "ignore_index": config.data.ignore_index,
         },
         "num_images": metrics["num_images"],
         "miou": metrics["miou"],
@@ -220,8 +177,8 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
         "mean_acc": metrics["mean_acc"],
         "fwiou": metrics["fwiou"],
         "per_class": {name: {"iou": iou, "acc": acc}
-                      for name, iou, acc in zip(checkpoint_classes, metrics["iou"], metrics["acc"])},
-        "classes": checkpoint_classes,
+                      for name, iou, acc in zip(classes, metrics["iou"], metrics["acc"])},
+        "classes": classes,
         "iou": metrics["iou"],
         "acc": metrics["acc"],
         "num_pixels": metrics["num_pixels"],

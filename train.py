@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The engine (torch, torchvision, albumentations) is imported after the arguments are parsed, so that
+# --help and argument errors answer at once.
 
 logger = logging.getLogger("train")
 
@@ -36,34 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
-def resolve_config(args: argparse.Namespace):
-    """(config, resume payload or None) from --config, --resume and the overrides."""
-    from engine.config import build_config, from_dict, load_config, parse_overrides
-    from engine.trainer import load_resume_checkpoint
-
-    if args.config is None and (args.resume in (None, "auto")):
-        raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
-    config = load_config(args.config, args.overrides) if args.config else None
-    if args.resume is None:
-        return config, None
-    if args.resume == "auto":
-        path = config.run_dir / "last.pt"
-        if not path.is_file():
-            logging.getLogger("train").info("--resume auto: no %s yet, starting from scratch", path)
-            return config, None
-    else:
-        path = Path(args.resume)
-    payload = load_resume_checkpoint(path)
-    saved = from_dict(payload["config"], source=str(path))
-    config = build_config(parse_overrides(args.overrides), source="command line", base=saved)
-    logging.getLogger("train").info("resuming from %s at iteration %d", path, payload["iteration"])
-    return config, payload
-
-
 def resume_command(args: argparse.Namespace) -> str:
     """The command line that continues this run."""
-    import shlex
-
     parts = ["python", "train.py"]
     parts += ["--config", args.config] if args.config else ["--resume", args.resume or ""]
     if args.config:
@@ -89,13 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     try:
+        from engine.checkpoint import resolve_training_config
         from engine.trainer import Trainer
 
-        config, resume = resolve_config(args)
+        config, resume = resolve_training_config(args.config, args.resume, args.overrides)
         trainer = Trainer(config, dist_info, resume=resume, stop_at=args.stop_at)
         del resume
-        result = trainer.fit()
-        trainer.close()
+        try:
+            result = trainer.fit()
+        finally:
+            trainer.close()
         del trainer  # the DDP wrapper must be gone before the process group (see cleanup)
     except (ValueError, FileNotFoundError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)

@@ -10,7 +10,7 @@ times, interleaved over several rounds (one pass over all pairs per variant per 
 Reports median ms/image, images/s and the median of per-round ratios to decode_only.
 Target (issue 5): train <= 2.0x decode_only.
 
-    python benchmarks/bench_data.py [--images 32] [--rounds 7] [--crop 513] [--output PATH]
+    python -m benchmarks.bench_data [--images 32] [--rounds 7] [--crop 513] [--output PATH]
 """
 from __future__ import annotations
 
@@ -29,12 +29,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data.base import palette_image, read_image, read_index_mask  # noqa: E402
-from data.synthetic import SyntheticShapes, render_shapes  # noqa: E402
-from data.transforms import PairTransform, build_train_augmentation  # noqa: E402
-from data.voc import VOC_PALETTE, VOCSegmentation  # noqa: E402
+from data.base import palette_image, read_image, read_index_mask
+from data.synthetic import SyntheticShapes, render_shapes
+from data.transforms import PairTransform, build_train_augmentation
+from data.voc import VOC_PALETTE, VOCSegmentation
 
 
 def make_pairs(root: Path, count: int) -> list[str]:

@@ -11,7 +11,7 @@ All variants must produce the same matrix (checked). Target (issue 4): ours_int6
 Inference: engine.inference.predict with a small DeepLabV3+ / ResNet-18, mode whole vs slide (and
 slide + flip), images/s.
 
-    python benchmarks/bench_eval.py [--rounds 7] [--threads 1] [--device cpu|cuda] [--output PATH]
+    python -m benchmarks.bench_eval [--rounds 7] [--threads 1] [--device cpu|cuda] [--output PATH]
 """
 from __future__ import annotations
 
@@ -27,12 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.config import ModelConfig  # noqa: E402
-from engine.inference import predict  # noqa: E402
-from engine.metrics import ConfusionMatrix  # noqa: E402
-from model.builder import build_model  # noqa: E402
+from engine.config import ModelConfig
+from engine.inference import predict
+from engine.metrics import ConfusionMatrix
+from model.builder import build_model
 
 
 def numpy_bincount(pred: np.ndarray, target: np.ndarray, num_classes: int) -> np.ndarray:
@@ -109,8 +107,8 @@ def bench_inference(rounds: int, device: torch.device, *, height: int, width: in
     images = torch.randn(1, 3, height, width, device=device)
     variants = {
         "whole": dict(mode="whole"),
-        "slide": dict(mode="slide", crop_size=crop, stride=stride),
-        "slide_flip": dict(mode="slide", crop_size=crop, stride=stride, flip=True),
+        "slide": dict(mode="slide", window_size=crop, stride=stride),
+        "slide_flip": dict(mode="slide", window_size=crop, stride=stride, flip=True),
     }
     with torch.inference_mode():
         for options in variants.values():

@@ -1,6 +1,6 @@
 """Training-step time of our DeepLabV3 against torchvision's, same run, paired ratios.
 
-    python benchmarks/bench_model.py [--repeats 9] [--batch 2] [--size 257] [--threads N] [--output results.json]
+    python -m benchmarks.bench_model [--repeats 9] [--batch 2] [--size 257] [--threads N] [--output results.json]
 
 Variants (identical weights, training mode, cross-entropy on random labels for `out` + 0.4 `aux`,
 forward + backward, gradients cleared each step):
@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -31,10 +30,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.models.segmentation import deeplabv3_resnet50
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.config import ModelConfig  # noqa: E402
-from model.builder import build_model, load_segmentation_weights  # noqa: E402
+from engine.config import ModelConfig
+from model.builder import build_model, load_segmentation_weights
 
 NUM_CLASSES = 21
 TARGET = 1.03

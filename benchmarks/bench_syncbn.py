@@ -1,6 +1,6 @@
 """Speed and memory of SynchronizedBatchNorm2d against the built-in BatchNorm, same run, paired ratios.
 
-    python benchmarks/bench_syncbn.py [--repeats 15] [--device cpu|cuda] [--output results.json]
+    python -m benchmarks.bench_syncbn [--repeats 15] [--device cpu|cuda] [--output results.json]
 
 a. one device: SynchronizedBatchNorm2d vs nn.BatchNorm2d (forward + backward), time and the bytes of
    tensors saved for backward. Target <= 1.03 (it is the same kernel).
@@ -24,7 +24,6 @@ import os
 import platform
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -34,9 +33,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from model.sync_batchnorm import SynchronizedBatchNorm2d  # noqa: E402
+from model.sync_batchnorm import SynchronizedBatchNorm2d
 
 SHAPES = [(8, 64, 128, 128), (4, 256, 65, 65), (16, 512, 33, 33)]
 ALLOCATOR_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",

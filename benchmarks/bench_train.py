@@ -5,10 +5,11 @@ with the full loop (data loading through the DataLoader and its workers, loss, A
 flushing, TensorBoard + metrics.jsonl logging), then the same number of bare steps on batches loaded
 beforehand (normalize, forward, cross-entropy, backward, step; no data loading, no logging), then
 `Trainer.train_step` on those batches (the engine's step without the input pipeline). Validation and
-checkpoints are outside the timed window. Reports per-round seconds per iteration, the paired
-ratio full / bare per round and their medians; target ratio <= 1.10.
+checkpoints are outside the timed window (the full loop's time is `TrainResult.train_seconds`).
+Reports per-round seconds per iteration, the paired ratio full / bare per round and their medians;
+target ratio <= 1.10. Public API only.
 
-    python benchmarks/bench_train.py [--config demo.yaml] [--rounds 5] [--iters 20] [--threads 2] [KEY=VALUE ...]
+    python -m benchmarks.bench_train [--config demo.yaml] [--rounds 5] [--iters 20] [--threads 2] [KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     from data.transforms import normalize_batch
-    from engine.config import load_config
-    from engine.distributed import setup_distributed
+    from engine.config_io import load_config
+    from engine.distributed import autocast_for, setup_distributed
+    from engine.samplers import train_batches
     from engine.trainer import Trainer
 
     if args.threads:
@@ -62,10 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             args.warmup = len(trainer.train_loader)
         device, data_cfg = trainer.device, config.data
         # the bare loop's batches: loaded up front, outside any timing
-        bare_batches = []
-        for _, batch in zip(range(args.iters), trainer._batches()):
-            bare_batches.append(batch[1])
-        trainer.fit(stop_at=args.warmup, save_at_stop=False)
+        bare_batches = [batch for _, batch in zip(range(args.iters), train_batches(trainer.train_loader, 0))]
+        trainer.fit(stop_at=args.warmup)
 
         def bare_steps() -> None:
             for images, masks in bare_batches:
@@ -73,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
                 if config.model.channels_last:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
-                with trainer._autocast():
+                with autocast_for(device, config.train.amp):
                     logits = trainer.train_model(inputs)["out"]
                 loss = F.cross_entropy(logits.float(), masks, ignore_index=trainer.ignore_index)
                 trainer.optimizer.zero_grad(set_to_none=True)
@@ -90,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
 
         rows = []
         for round_index in range(args.rounds):
-            start = time.perf_counter()
-            trainer.fit(stop_at=trainer.iteration + args.iters, save_at_stop=False)
+            result = trainer.fit(stop_at=trainer.iteration + args.iters)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            full = (time.perf_counter() - start) / args.iters
+            full = result.train_seconds / args.iters
             start = time.perf_counter()
             bare_steps()
             bare = (time.perf_counter() - start) / args.iters

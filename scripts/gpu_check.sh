@@ -24,7 +24,7 @@ echo "CUDA test files: ${cuda_tests[*]}" | tee "$out/cuda_tests.txt"
 timeout 150 "$py" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" "${cuda_tests[@]}" -rA \
   2>&1 | tee -a "$out/cuda_tests.txt" || status=1
 
-timeout 90 "$py" benchmarks/bench_syncbn.py --device cuda --skip-distributed --repeats 30 \
+timeout 90 "$py" -m benchmarks.bench_syncbn --device cuda --skip-distributed --repeats 30 \
   --output "$out/bench_syncbn_cuda.json" 2>&1 | tee "$out/bench_syncbn_cuda.txt" || status=1
 
 # Training (issue 6): 100 iterations of the demo on GPU 0 with fp16 AMP + GradScaler, then the same as

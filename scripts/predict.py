@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):  # run as `python scripts/predict.py`
+    import _bootstrap  # noqa: F401  (puts the repository root on sys.path)
+
+# The engine is imported after the arguments are parsed, so that --help answers at once.
 
 logger = logging.getLogger("predict")
 
@@ -32,12 +33,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input", required=True, help="an image file or a folder of images (searched recursively)")
     parser.add_argument("--output", required=True, help="folder for <name>_mask.png and <name>_overlay.png")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    parser.add_argument("--mode", choices=("whole", "slide"), help="default: the checkpoint's eval.mode")
+    parser.add_argument("--mode", help="whole or slide (default: the checkpoint's eval.mode)")
     parser.add_argument("--scales", help="comma-separated test scales (default: the checkpoint's eval.scales)")
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None, help="flip TTA")
+    parser.add_argument("--amp", help="autocast: off, fp16 or bf16 (default: the checkpoint's eval.amp)")
     parser.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colors, 0..1")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="config overrides, e.g. eval.crop_size=769 eval.stride=512 data.base_size=1024")
+                        help="config overrides, e.g. eval.window_size=769 eval.stride=512 data.base_size=1024")
     return parser.parse_intermixed_args(argv)
 
 
@@ -87,29 +89,18 @@ def run(args: argparse.Namespace) -> int:
     from data import palette_image
     from data.base import read_image
     from data.transforms import normalize_batch
-    from engine.checkpoint import load_checkpoint, load_model_weights
-    from engine.config import from_dict, inference_config
+    from engine.checkpoint import load_inference_model
+    from engine.distributed import autocast_for, inference_device
     from engine.inference import predict
-    from model.builder import build_model
 
     if not 0.0 <= args.alpha <= 1.0:
         raise ValueError(f"--alpha {args.alpha} must lie in [0, 1]")
     images = find_images(Path(args.input))
-    try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise ValueError(f"--device {args.device!r} is not a device; expected cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
-    payload = load_checkpoint(args.checkpoint)
-    config = inference_config(payload["config"], args.overrides, source=f"checkpoint '{args.checkpoint}'",
-                              mode=args.mode, scales=args.scales, flip=args.flip)
-    classes = [str(name) for name in payload["classes"]]
-    model = build_model(config.model, len(classes))
-    saved_model_cfg = from_dict(payload["config"], source=f"checkpoint '{args.checkpoint}'").model
-    load_model_weights(model, payload.pop("model"), checkpoint=args.checkpoint, saved_model_cfg=saved_model_cfg,
-                       model_cfg=config.model)
-    model.to(device).eval()
+    device = inference_device(args.device)
+    loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides,
+                                  flags={"eval.mode": args.mode, "eval.scales": args.scales, "eval.flip": args.flip,
+                                         "eval.amp": args.amp})
+    config, classes, model = loaded.config, loaded.classes, loaded.model
     palette = np.asarray(palette_for(config.data.dataset, len(classes)), dtype=np.uint8)
     eval_cfg, base_size = config.eval, config.data.base_size
     output = Path(args.output)
@@ -122,9 +113,10 @@ def run(args: argparse.Namespace) -> int:
             scale = base_size / max(height, width)
             size = (max(1, round(height * scale)), max(1, round(width * scale)))
             inputs = F.interpolate(inputs, size=size, mode="bilinear", align_corners=False)
-        with torch.inference_mode():
-            logits = predict(model, inputs, num_classes=len(classes), mode=eval_cfg.mode, crop_size=eval_cfg.crop_size,
-                             stride=eval_cfg.stride, scales=eval_cfg.scales, flip=eval_cfg.flip)
+        with torch.inference_mode(), autocast_for(device, eval_cfg.amp):
+            logits = predict(model, inputs, num_classes=len(classes), mode=eval_cfg.mode,
+                             window_size=eval_cfg.window_size, stride=eval_cfg.stride, scales=eval_cfg.scales,
+                             flip=eval_cfg.flip)
             if logits.shape[-2:] != (height, width):
                 logits = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)
         labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()

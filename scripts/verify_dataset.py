@@ -15,14 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
+if __package__ in (None, ""):  # run as `python scripts/verify_dataset.py`
+    import _bootstrap  # noqa: F401  (puts the repository root on sys.path)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data import BadSampleError, build_dataset  # noqa: E402
-from engine.config import load_config  # noqa: E402
+# numpy, torch and the data package are imported where used, so that --help answers at once.
 
 # Official sizes of complete datasets: (dataset, split) -> images
 EXPECTED_COUNTS = {
@@ -35,8 +31,8 @@ EXPECTED_COUNTS = {
 }
 
 
-class _Stats(Dataset):
-    """Per-sample statistics (or the error) computed in loader workers."""
+class _Stats:
+    """Per-sample statistics (or the error) computed in loader workers (a map-style dataset)."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
@@ -45,6 +41,10 @@ class _Stats(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        import numpy as np
+
+        from data import BadSampleError
+
         try:
             image, mask = self.dataset.load(index)
         except (BadSampleError, OSError) as error:
@@ -55,6 +55,10 @@ class _Stats(Dataset):
 
 def verify_split(dataset: Any, *, workers: int = 0, limit: int = 0) -> dict[str, Any]:
     """Statistics of one split: counts, size range, class pixel counts, bad samples."""
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+
     indices = range(min(len(dataset), limit) if limit > 0 else len(dataset))
     loader = DataLoader(torch.utils.data.Subset(_Stats(dataset), list(indices)), batch_size=None,
                         num_workers=workers)
@@ -81,7 +85,7 @@ def verify_split(dataset: Any, *, workers: int = 0, limit: int = 0) -> dict[str,
         "bad": bad,
         "height_range": [min(heights), max(heights)] if heights else None,
         "width_range": [min(widths), max(widths)] if widths else None,
-        "ignore_pixels": int(pixels[255]),
+        "ignore_pixels": int(pixels[dataset.ignore_index]),
         "classes": list(dataset.classes),
         "class_pixels": class_pixels.tolist(),
         "class_frequency": frequencies.tolist(),
@@ -98,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=0, help="check only the first N samples of each split")
     parser.add_argument("--output", default="", help="also write the statistics as JSON here")
     args = parser.parse_args(argv)
+    from data import build_dataset
+    from engine.config_io import load_config
+
     try:
         config = load_config(args.config, args.overrides)
         data_cfg = config.data
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             count_note = " (complete)" if stats["num_samples"] == expected else f" (INCOMPLETE: the full split has {expected})"
         print(f"[{data_cfg.dataset} {split}] {stats['num_samples']} samples{count_note}; checked {stats['num_checked']}, "
               f"bad {stats['num_bad']}; height {stats['height_range']}, width {stats['width_range']}; "
-              f"ignore (255) pixels {stats['ignore_pixels']}")
+              f"ignore ({dataset.ignore_index}) pixels {stats['ignore_pixels']}")
         for message in stats["bad"]:
             print(f"  BAD: {message}")
         print(f"  {'id':>3} {'class':<22} {'pixels':>14} {'frequency':>10} {'weight':>8}")
