@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from engine.config import load_config, to_dict
+from engine.config_io import load_config, to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn",
@@ -87,8 +87,8 @@ def test_cli_end_to_end_matches_torchmetrics_and_saves_predictions(synthetic_che
     jaccard = MulticlassJaccardIndex(dataset.num_classes, average="macro", ignore_index=255)
     assert record["miou"] == pytest.approx(jaccard(reference_pred, masks).item(), abs=1e-6)
     assert record["num_images"] == 3 and record["split"] == "val" and record["iteration"] == 11
-    assert record["protocol"] == {"mode": "whole", "crop_size": None, "stride": None, "scales": [1.0],
-                                  "flip": False, "base_size": 0, "amp": "off"}
+    assert record["protocol"] == {"mode": "whole", "window_size": None, "stride": None, "scales": [1.0],
+                                  "flip": False, "base_size": 0, "amp": "off", "ignore_index": 255}
     assert record["classes"] == list(dataset.classes)
     assert set(record["per_class"]) == set(dataset.classes)
     for name in dataset.classes:  # the printed table names every class
@@ -112,8 +112,8 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     for label, flags in {
         "plain": [],
         "scale1": ["--scales", "1.0"],
-        "bigslide": ["--mode", "slide", "eval.crop_size=64", "eval.stride=32"],
-        "tta": ["--mode", "slide", "eval.crop_size=40", "eval.stride=24", "--scales", "0.75,1.0", "--flip"],
+        "bigslide": ["--mode", "slide", "eval.window_size=64", "eval.stride=32"],
+        "tta": ["--mode", "slide", "eval.window_size=40", "eval.stride=24", "--scales", "0.75,1.0", "--flip"],
     }.items():
         output = tmp_path / f"{label}.json"
         assert cli.main(["--checkpoint", str(path), "--device", "cpu", "--no-progress", "--output", str(output),
@@ -122,8 +122,8 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     capsys.readouterr()
     assert runs["scale1"]["iou"] == runs["plain"]["iou"]
     assert runs["bigslide"]["iou"] == runs["plain"]["iou"]  # window larger than the 48 px images
-    assert runs["tta"]["protocol"] == {"mode": "slide", "crop_size": 40, "stride": 24, "scales": [0.75, 1.0],
-                                       "flip": True, "base_size": 0, "amp": "off"}
+    assert runs["tta"]["protocol"] == {"mode": "slide", "window_size": 40, "stride": 24, "scales": [0.75, 1.0],
+                                       "flip": True, "base_size": 0, "amp": "off", "ignore_index": 255}
     assert runs["tta"]["num_images"] == 2
 
 
@@ -133,7 +133,10 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     (["model.head_channels=16"], "shape mismatch"),
     (["data.num_classes=4"], "predicts 6 classes"),
     (["no.such_key=1"], "unknown config key"),
-    (["--mode", "slide", "eval.crop_size=32", "eval.stride=40"], "eval.stride=40 > eval.crop_size=32"),
+    (["--mode", "slide", "eval.window_size=32", "eval.stride=40"], "eval.stride=40 > eval.window_size=32"),
+    (["--mode", "tiles"], "eval.mode='tiles' is not one of whole, slide"),
+    (["--amp", "fp8"], "eval.amp='fp8' is not one of off, fp16, bf16"),
+    (["--device", "tpu"], "--device 'tpu'"),
     (["--split", "nonexistent", "data.dataset=voc", "data.root=/nonexistent/voc"], "/nonexistent/voc"),
 ])
 def test_mismatches_are_one_line_errors(synthetic_checkpoint, capsys, overrides, message):
@@ -204,7 +207,7 @@ def test_cityscapes_label_ids_score_the_same_with_the_official_script(tmp_path, 
 @pytest.mark.slow
 def test_eval_reproduces_training_validation(tmp_path, capsys):
     """train.py's validation at the last iteration and eval.py on that checkpoint report the same numbers
-    (demo config: channels_last, bf16: both evaluate under the checkpoint's train.amp)."""
+    (demo config: channels_last, bf16: both evaluate under the checkpoint's eval.amp)."""
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--config", "demo", "--gpus", "cpu", f"output_dir={run_dir}",

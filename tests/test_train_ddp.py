@@ -4,7 +4,7 @@ This is what synchronized BatchNorm buys: with `model.norm=syncbn` the two proce
 statistics of the whole global batch, so their losses match the single process's; with plain `bn`
 (per-process statistics) they do not, which the negative control checks.
 
-Run as a script (by the tests, under torchrun or alone), this file trains with dropout disabled (its
+Run as a module (by the tests, under torchrun or alone), this file trains with dropout disabled (its
 masks cannot match between 1 and 2 processes) and writes the per-step losses as JSON.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ TINY = [
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
@@ -38,12 +38,12 @@ def _env() -> dict[str, str]:
 
 def _train(tmp_path: Path, name: str, *, processes: int, norm: str) -> tuple[dict, str]:
     output = tmp_path / f"{name}.json"
-    script = [str(Path(__file__).resolve()), str(output), f"output_dir={tmp_path / name}", f"model.norm={norm}", *TINY]
+    arguments = [str(output), f"output_dir={tmp_path / name}", f"model.norm={norm}", *TINY]
     if processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-                   *script]
+                   "--module", "tests.test_train_ddp", *arguments]
     else:
-        command = [sys.executable, *script]
+        command = [sys.executable, "-m", "tests.test_train_ddp", *arguments]
     process = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, process.stderr[-4000:]
     result = json.loads(output.read_text())
@@ -71,14 +71,12 @@ def test_two_process_ddp_matches_single_process_with_sync_bn(tmp_path):
 
 
 def main(argv: list[str]) -> int:
-    # run as a script, sys.path[0] is tests/, whose engine/ and model/ folders would shadow the packages
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [str(ROOT)] + [p for p in sys.path if p and Path(p).resolve() != here]
+    """Run as `python -m tests.test_train_ddp OUTPUT KEY=VALUE...` from the repository root."""
     import logging
 
     from torch import nn
 
-    from engine.config import load_config
+    from engine.config_io import load_config
     from engine.distributed import cleanup, setup_distributed
     from engine.trainer import Trainer
 

@@ -38,8 +38,6 @@ def test_subfolder_split_and_default_names(tmp_path):
 
 
 def test_errors_name_paths(tmp_path):
-    with pytest.raises(ValueError, match="num_classes"):
-        FolderSegmentation(tmp_path, "all", num_classes=0)
     with pytest.raises(FileNotFoundError, match="images"):
         FolderSegmentation(tmp_path, "all", num_classes=3)
     _make(tmp_path, ["a"])

@@ -1,9 +1,8 @@
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 from PIL import Image
 
 from data.voc import VOCSegmentation
@@ -13,10 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"scripts.{name}")
 
 
 def _write_sbd(sbd_root, ids):

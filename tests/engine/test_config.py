@@ -1,0 +1,231 @@
+"""The schema (engine.config) and its reading and writing (engine.config_io): the base chain, type
+conversion, overrides, the dict round trip, renamed keys, and every validation error."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+import data
+from data.synthetic import SHAPE_NAMES
+from engine.config import SYNTHETIC_MAX_CLASSES, Config, DataConfig, EvalConfig, all_keys, choices, validate
+from engine.config_io import (
+    build_config,
+    from_dict,
+    inference_config,
+    load_config,
+    parse_overrides,
+    resolve_config_path,
+    save_config,
+    to_dict,
+)
+from model.backbones import backbone_names
+from model.builder import HEADS
+from model.norm import norm_kinds
+
+
+def write(path, content: dict) -> str:
+    path.write_text(yaml.safe_dump(content))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------ one source
+def test_builders_build_exactly_the_configured_choices():
+    assert set(choices("model.arch")) == set(HEADS)
+    assert set(choices("model.backbone")) == set(backbone_names())
+    assert set(choices("model.norm")) == set(norm_kinds())
+    assert set(choices("data.dataset")) == set(data.DATASETS)
+    assert SYNTHETIC_MAX_CLASSES == len(SHAPE_NAMES) + 1
+    with pytest.raises(KeyError, match="train.iters"):
+        choices("train.iters")
+
+
+def test_every_shipped_config_loads():
+    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml"):
+        config = load_config(name)
+        assert config.name and config.run_dir.name == config.name
+
+
+# -------------------------------------------------------------------------------- files and bases
+def test_base_chain_merges_base_first_then_file_then_overrides(tmp_path):
+    write(tmp_path / "root.yaml", {"name": "root", "train": {"iters": 10, "lr": 0.5}, "data": {"crop_size": 64}})
+    write(tmp_path / "middle.yaml", {"base": "root.yaml", "train": {"iters": 20}, "model": {"backbone": "resnet18"}})
+    leaf = write(tmp_path / "leaf.yaml", {"base": "middle.yaml", "name": "leaf", "data": {"hflip": False}})
+    config = load_config(leaf, ["train.lr=0.25"])
+    assert config.name == "leaf"
+    assert config.train.iters == 20 and config.train.lr == 0.25  # middle over root; command line over all
+    assert config.data.crop_size == 64 and config.data.hflip is False  # sections merge key by key
+    assert config.model.backbone == "resnet18" and config.model.arch == "deeplabv3plus"  # untouched default
+
+
+def test_base_may_name_a_shipped_config(tmp_path):
+    leaf = write(tmp_path / "mine.yaml", {"base": "demo.yaml", "train": {"iters": 3}})
+    config = load_config(leaf)
+    assert config.train.iters == 3 and config.name == "demo" and config.model.backbone == "resnet18"
+
+
+def test_circular_base_chain_is_an_error(tmp_path):
+    write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    with pytest.raises(ValueError, match="circular 'base:' chain"):
+        load_config(str(tmp_path / "a.yaml"))
+
+
+def test_config_names_resolve_in_configs_folder_and_missing_ones_list_what_exists(tmp_path):
+    assert resolve_config_path("demo") == resolve_config_path("demo.yaml")
+    with pytest.raises(FileNotFoundError, match="nothere.yaml.*available: .*demo.yaml"):
+        resolve_config_path("nothere.yaml")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("train: [1, 2\n", "not valid YAML"),
+    ("- 1\n- 2\n", "expected a mapping"),
+    ("train: 5\n", "'train' must be a mapping"),
+])
+def test_malformed_files_name_the_file(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as error:
+        load_config(str(path))
+    assert "bad.yaml" in str(error.value)
+
+
+# -------------------------------------------------------------------------------------- conversion
+def test_values_take_the_type_of_their_field():
+    config = load_config(None, ["train.iters=200", "train.lr=1e-3", "data.scale_range=0.5,2.0", "data.hflip=no",
+                                "model.output_stride=8", "model.aspp_rates=[1, 2, 3]", "eval.scales=1",
+                                "data.class_names=", "train.warmup_iters=10.0", "name=run 1"])
+    assert config.train.iters == 200 and isinstance(config.train.iters, int)
+    assert config.train.lr == 1e-3
+    assert config.data.scale_range == (0.5, 2.0) and config.data.hflip is False
+    assert config.model.output_stride == 8 and isinstance(config.model.output_stride, int)
+    assert config.model.aspp_rates == (1, 2, 3) and config.eval.scales == (1.0,)
+    assert config.data.class_names == () and config.train.warmup_iters == 10 and config.name == "run 1"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.iters=many", "'train.iters' expects int, got 'many'"),
+    ("train.iters=2.5", "'train.iters' expects int"),
+    ("train.lr=fast", "'train.lr' expects float"),
+    ("data.hflip=maybe", "'data.hflip' expects bool"),
+    ("data.scale_range=1,2,3", "'data.scale_range' expects a comma-separated list of float"),
+    ("model.output_stride=eight", "'model.output_stride' expects one of 8, 16"),
+])
+def test_unconvertible_values_name_key_type_and_value(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_unknown_keys_suggest_the_closest_valid_one(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key 'train.iter'; did you mean 'train.iters'"):
+        load_config(None, ["train.iter=5"])
+    with pytest.raises(ValueError, match="unknown config key 'modle.arch'; did you mean 'model.arch'"):
+        load_config(None, ["modle.arch=deeplabv3"])
+    leaf = write(tmp_path / "typo.yaml", {"data": {"crop_sise": 3}})
+    with pytest.raises(ValueError, match=r"typo.yaml: unknown config key 'data.crop_sise'; did you mean 'data.crop_size'"):
+        load_config(leaf)
+    with pytest.raises(ValueError, match="valid keys: name, output_dir"):
+        load_config(None, ["zzzzzz=1"])
+    with pytest.raises(ValueError, match="must look like KEY=VALUE"):
+        parse_overrides(["train.iters"])
+
+
+def test_dict_round_trip_and_yaml_file(tmp_path):
+    config = load_config("demo.yaml", ["data.scale_range=0.75,1.5", "model.aspp_rates=1,2"])
+    assert from_dict(to_dict(config)) == config
+    save_config(config, tmp_path / "saved.yaml")
+    assert load_config(str(tmp_path / "saved.yaml")) == config
+    plain = to_dict(config)
+    assert plain["data"]["scale_range"] == [0.75, 1.5]  # lists, not tuples: YAML/JSON/checkpoint safe
+    with pytest.raises(ValueError, match="unknown config key 'train.bogus'"):
+        from_dict({**plain, "train": {**plain["train"], "bogus": 1}})
+
+
+def test_renamed_key_still_reads_old_files_and_checkpoints():
+    old = to_dict(Config())
+    old["eval"] = {k: v for k, v in old["eval"].items() if k != "window_size"} | {"crop_size": 769}
+    assert from_dict(old).eval.window_size == 769
+    assert load_config(None, ["eval.crop_size=321"]).eval.window_size == 321
+
+
+def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources():
+    saved = to_dict(load_config("demo.yaml", ["model.pretrained_backbone=imagenet", "model.init_checkpoint=x.pt"]))
+    config = inference_config(saved, ["eval.mode=slide", "eval.window_size=64", "eval.stride=32"], source="ckpt",
+                              flags={"eval.flip": True, "eval.scales": "0.5,1.0", "eval.mode": None})
+    assert config.model.pretrained_backbone == "none" and config.model.init_checkpoint == ""
+    assert config.eval.mode == "slide" and config.eval.flip is True and config.eval.scales == (0.5, 1.0)
+    assert config.eval.amp == "bf16"  # the checkpoint's eval.amp unless a flag says otherwise
+
+
+# -------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("override,message", [
+    ("data.dataset=imagenet", "data.dataset='imagenet' is not one of voc, cityscapes, synthetic, folder"),
+    ("model.arch=unet", "model.arch='unet' is not one of deeplabv3, deeplabv3plus"),
+    ("model.backbone=resnet152", "model.backbone='resnet152' is not one of resnet18"),
+    ("model.output_stride=32", "model.output_stride=32 is not one of 8, 16"),
+    ("model.norm=gn", "model.norm='gn' is not one of syncbn, bn, frozen_bn"),
+    ("train.optimizer=lamb", "train.optimizer='lamb' is not one of sgd, adamw"),
+    ("train.amp=fp8", "train.amp='fp8' is not one of off, fp16, bf16"),
+    ("eval.amp=int8", "eval.amp='int8' is not one of off, fp16, bf16"),
+    ("eval.mode=tiles", "eval.mode='tiles' is not one of whole, slide"),
+    ("data.crop_size=0", "data.crop_size=0: must be >= 1"),
+    ("train.iters=0", "train.iters=0: must be >= 1"),
+    ("train.batch_size=-2", "train.batch_size=-2: must be >= 1"),
+    ("train.lr=0", "train.lr=0.0: must be > 0"),
+    ("train.ohem_thresh=1.5", "train.ohem_thresh=1.5: must be > 0 and <= 1"),
+    ("train.class_weights=1,-1", "train.class_weights=1.0,-1.0: every value must be >= 0"),
+    ("train.val_interval=0", "train.val_interval=0: must be >= 1"),
+    ("data.num_workers=-1", "data.num_workers=-1: must be >= 0"),
+    ("data.base_size=-1", "data.base_size=-1: must be >= 0"),
+    ("data.ignore_index=256", "data.ignore_index=256: must be >= 0 and <= 255"),
+    ("data.std=0.2,0,0.2", "data.std=0.2,0.0,0.2: every value must be > 0"),
+    ("data.scale_range=0,1", "data.scale_range=0.0,1.0: every value must be > 0"),
+    ("data.scale_range=2,1", "data.scale_range=2.0,1.0 must satisfy low <= high"),
+    ("data.synthetic_image_size=8", "data.synthetic_image_size=8: must be >= 16"),
+    ("data.synthetic_train_size=0", "data.synthetic_train_size=0: must be >= 1"),
+    ("data.num_classes=9", "the synthetic dataset has 2 to 8 classes"),
+    ("model.aspp_rates=0,2", "model.aspp_rates=0,2: every value must be >= 1"),
+    ("model.head_channels=0", "model.head_channels=0: must be >= 1"),
+    ("eval.scales=0.5,0", "eval.scales=0.5,0.0: every value must be > 0"),
+    ("eval.scales=", "eval.scales is empty"),
+    ("eval.batch_size=0", "eval.batch_size=0: must be >= 1"),
+])
+def test_every_invalid_value_names_key_value_and_expectation(override, message):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [override])
+    assert message in str(error.value) and str(error.value).startswith("command line: ")
+
+
+def test_cross_field_rules():
+    with pytest.raises(ValueError, match="eval.stride=600 > eval.window_size=513"):
+        load_config(None, ["eval.mode=slide", "eval.stride=600"])
+    assert load_config(None, ["eval.mode=whole", "eval.stride=600"]).eval.stride == 600  # only slide uses it
+    with pytest.raises(ValueError, match="dataset 'voc' has a fixed class list"):
+        load_config(None, ["data.dataset=voc", "data.num_classes=5"])
+    with pytest.raises(ValueError, match="dataset 'folder' needs data.num_classes"):
+        load_config(None, ["data.dataset=folder"])
+    with pytest.raises(ValueError, match="data.class_names has 2 names but data.num_classes=3"):
+        load_config(None, ["data.dataset=folder", "data.num_classes=3", "data.class_names=a,b"])
+    with pytest.raises(ValueError, match="data.num_classes=300: must be >= 0 and <= 255"):
+        load_config(None, ["data.dataset=folder", "data.num_classes=300"])
+
+
+def test_validate_checks_dataclasses_built_directly():
+    with pytest.raises(ValueError, match="direct: eval.window_size=0"):
+        validate(Config(eval=EvalConfig(window_size=0)), source="direct")
+    validate(Config(data=DataConfig(dataset="folder", num_classes=3)))
+
+
+def test_every_key_is_listed_once():
+    keys = all_keys()
+    assert len(keys) == len(set(keys))
+    assert "eval.window_size" in keys and "eval.crop_size" not in keys
+    fields = {f.name for f in dataclasses.fields(EvalConfig)}
+    assert {key.split(".")[1] for key in keys if key.startswith("eval.")} == fields
+
+
+def test_build_config_starts_from_a_base_config():
+    base = load_config("demo.yaml")
+    config = build_config({"train.iters": "7"}, base=base)
+    assert config.train.iters == 7 and config.model == base.model

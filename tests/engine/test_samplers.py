@@ -1,0 +1,91 @@
+"""Training batches, evaluation shards and the loaders built on them."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from engine.samplers import (
+    ResumableBatchSampler,
+    ShardSampler,
+    build_eval_loader,
+    build_train_loader,
+    train_batches,
+)
+
+
+def test_sampler_shards_the_single_process_global_batches():
+    single = ResumableBatchSampler(50, batch_size=8, seed=3)
+    single.set_epoch(2)
+    shards = []
+    for rank in range(2):
+        sampler = ResumableBatchSampler(50, batch_size=4, seed=3, rank=rank, world_size=2)
+        sampler.set_epoch(2)
+        shards.append(list(sampler))
+    expected = list(single)
+    assert len(expected) == 50 // 8
+    for step, batch in enumerate(expected):
+        assert shards[0][step] + shards[1][step] == batch
+
+
+def test_sampler_epochs_differ_cover_distinct_samples_and_resume_skips():
+    sampler = ResumableBatchSampler(40, batch_size=4, seed=0)
+    sampler.set_epoch(0)
+    epoch0 = list(sampler)
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    assert epoch0 != epoch1
+    indices = [index for batch in epoch0 for index, _ in batch]
+    assert sorted(indices) == list(range(40))
+    sampler.set_epoch(0, start_batch=3)
+    assert list(sampler) == epoch0[3:] and len(sampler) == len(epoch0) - 3
+    again = ResumableBatchSampler(40, batch_size=4, seed=0)
+    again.set_epoch(1)
+    assert list(again) == epoch1
+    other_seed = ResumableBatchSampler(40, batch_size=4, seed=1)
+    assert list(other_seed) != epoch0
+
+
+def test_sampler_rejects_dataset_smaller_than_global_batch():
+    with pytest.raises(ValueError, match="train.batch_size"):
+        ResumableBatchSampler(3, batch_size=2, seed=0, world_size=2)
+
+
+@pytest.mark.parametrize("count,world", [(5, 2), (7, 3), (2, 4)])
+def test_shard_sampler_is_a_disjoint_cover_without_padding(count, world):
+    shards = [list(ShardSampler(count, rank=r, world_size=world)) for r in range(world)]
+    assert sorted(i for shard in shards for i in shard) == list(range(count))
+    assert [len(ShardSampler(count, rank=r, world_size=world)) for r in range(world)] == [len(s) for s in shards]
+    with pytest.raises(ValueError):
+        ShardSampler(count, rank=world, world_size=world)
+
+
+def test_loaders_do_not_draw_on_the_global_rng():
+    """A validation pass (or a new epoch) in the middle of training must not shift its random stream."""
+    sampler = ResumableBatchSampler(8, batch_size=2, seed=0)
+    loaders = [build_train_loader(list(zip(range(8), range(8))), sampler, num_workers=0, pin_memory=False, seed=0),
+               build_eval_loader(list(range(5)), batch_size=2)]
+    for loader in loaders:
+        torch.manual_seed(1)
+        expected = torch.rand(3)
+        torch.manual_seed(1)
+        list(loader)
+        assert torch.equal(torch.rand(3), expected)
+
+
+def test_train_batches_resume_at_any_iteration_across_epochs():
+    sampler = ResumableBatchSampler(10, batch_size=4, seed=2)  # 2 batches per epoch
+    loader = build_train_loader(_Indexed(), sampler, num_workers=0, pin_memory=False, seed=0)
+    straight = [batch.tolist() for _, batch in zip(range(5), train_batches(loader, 0))]
+    assert straight[0] != straight[2]  # a new epoch draws a new order
+    for start in range(4):
+        resumed = [batch.tolist() for _, batch in zip(range(5 - start), train_batches(loader, start))]
+        assert resumed == straight[start:]
+
+
+class _Indexed(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, key):
+        return torch.tensor(key)  # SeededDataset passes the index
