@@ -33,5 +33,5 @@ clean:
 # (prints the per-class table). Runs in runs/demo/.
 .PHONY: demo
 demo: $(STAMP)
-	$(PY) train.py --config demo.yaml
+	$(PY) train.py --config demo.yaml --resume auto
 	$(PY) eval.py --checkpoint runs/demo/best.pt

@@ -1,16 +1,21 @@
 """Train a DeepLab segmentation model.
 
-    python train.py --config voc.yaml [--gpus 0,1,2,3] [--resume auto|PATH] [KEY=VALUE ...]
+    python train.py --config voc.yaml [--gpus 0,1,2,3] [--resume auto|PATH] [--overwrite] [KEY=VALUE ...]
     torchrun --nproc_per_node 4 train.py --config voc.yaml [KEY=VALUE ...]
+    srun python train.py --config voc.yaml ...   (one task per GPU; ranks from SLURM_*)
 
-Errors in the command line, the config or the data exit with status 2 and a one-line reason; a
-non-finite loss exits with status 1; SIGINT/SIGTERM save last.pt and exit 0.
+Exit status: 0 when train.iters (or --stop-at) is reached; 2 for errors in the command line, the
+config, the data or the run dir (one line); 1 when training fails (a non-finite loss or weight, a
+checkpoint that cannot be written, a peer process that hung or vanished); 128 + the signal number
+(130 for SIGINT, 143 for SIGTERM) after a signal stopped the run and last.pt was saved.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
+import signal
 import sys
 
 # The engine (torch, torchvision, albumentations) is imported after the arguments are parsed, so that
@@ -21,74 +26,117 @@ logger = logging.getLogger("train")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Train DeepLabV3/V3+ with synchronized BatchNorm (CPU, --gpus DataParallel, or torchrun DDP).",
+        description="Train DeepLabV3/V3+ with synchronized BatchNorm (CPU, --gpus DataParallel, torchrun or srun DDP).",
         epilog="Example: python train.py --config voc.yaml --gpus 0,1 train.iters=200 data.root=/data/VOCdevkit/VOC2012",
     )
     parser.add_argument("--config", help="YAML file, or a name in configs/ (voc.yaml, cityscapes.yaml, demo.yaml)")
     parser.add_argument("--gpus", help="comma-separated GPU ids for one-process multi-GPU training (e.g. 0,1), "
                                        "or 'cpu'; default: GPU 0 if CUDA is available, else CPU")
     parser.add_argument("--resume", help="'auto' (continue from <run dir>/last.pt if it exists) or a checkpoint path; "
-                                         "overrides apply on top of the checkpoint's config")
+                                         "KEY=VALUE overrides apply on top of the checkpoint's config. Under "
+                                         "torchelastic (torchrun) an existing last.pt is always resumed")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a run dir that holds a run, deleting its last.pt and best.pt")
     parser.add_argument("--stop-at", type=int, default=None, metavar="ITER",
                         help="save last.pt and stop at this iteration (split a run into chunks; resume later)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.iters=200")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
-def resume_command(args: argparse.Namespace) -> str:
-    """The command line that continues this run."""
-    parts = ["python", "train.py"]
-    parts += ["--config", args.config] if args.config else ["--resume", args.resume or ""]
-    if args.config:
-        parts += ["--resume", "auto"]
+def _interpreter() -> str:
+    """The running interpreter, relative to the working directory when inside it (.venv/bin/python)."""
+    relative = os.path.relpath(sys.executable)
+    return relative if not relative.startswith("..") else sys.executable
+
+
+def resume_command(args: argparse.Namespace, dist_info) -> str:
+    """The command line that continues this run, in the form it was launched in."""
+    parts = ["--config", args.config, "--resume", "auto"] if args.config else ["--resume", args.resume or ""]
     if args.gpus:
         parts += ["--gpus", args.gpus]
-    return " ".join(shlex.quote(part) for part in parts + list(args.overrides))
+    tail = " ".join(shlex.quote(part) for part in ["train.py", *parts, *args.overrides])
+    launch = dist_info.launch
+    if launch.launcher == "torchrun":
+        nodes = f"--nnodes {launch.num_nodes} " if launch.num_nodes > 1 else ""
+        rendezvous = "<the same rendezvous options> " if launch.num_nodes > 1 else ""
+        return (f"{shlex.quote(_interpreter())} -m torch.distributed.run {nodes}--nproc_per_node "
+                f"{launch.local_world_size} {rendezvous}{tail}")
+    if launch.launcher == "slurm":
+        return f"srun {shlex.quote(_interpreter())} {tail}"
+    return f"{shlex.quote(_interpreter())} {tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from engine.distributed import cleanup, setup_distributed
+    from engine.distributed import cleanup, detect_launch, is_communication_error, setup_distributed
+    from engine.run_dir import dist_timeout, plan_run
+    from engine.trainer import Trainer
 
     try:
-        dist_info = setup_distributed(args.gpus)
+        launch = detect_launch()
     except ValueError as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=logging.INFO if dist_info.is_main else logging.WARNING,
-        format=f"%(asctime)s %(levelname)s{' [rank %d]' % dist_info.rank if dist_info.world_size > 1 else ''} "
+        level=logging.INFO if launch.rank == 0 else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s{' [rank %d]' % launch.rank if launch.world_size > 1 else ''} "
                "%(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
     try:
-        from engine.checkpoint import resolve_training_config
-        from engine.trainer import Trainer
-
-        config, resume = resolve_training_config(args.config, args.resume, args.overrides)
-        trainer = Trainer(config, dist_info, resume=resume, stop_at=args.stop_at)
-        del resume
-        try:
-            result = trainer.fit()
-        finally:
-            trainer.close()
-        del trainer  # the DDP wrapper must be gone before the process group (see cleanup)
+        timeout_s = dist_timeout(args.config, args.resume, args.overrides)
+        dist_info = setup_distributed(args.gpus, timeout_s=timeout_s, launch=launch)
     except (ValueError, FileNotFoundError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
-        cleanup(synchronize=False)
         return 2
+    plan = trainer = result = None
+    code = 0
+    try:
+        plan = plan_run(args.config, args.resume, args.overrides, dist_info=dist_info, overwrite=args.overwrite)
+        trainer = Trainer(plan.config, dist_info, resume=plan.resume, run_id=plan.run_id, overrides=plan.overrides,
+                          stop_at=args.stop_at)
+        plan.resume = None  # the payload's tensors are in the model and optimizer now
+        result = trainer.fit()
+    except (ValueError, FileNotFoundError) as error:
+        code, message = 2, str(error)
     except FloatingPointError as error:
-        print(f"train.py: error: {error}", file=sys.stderr)
+        code, message = 1, str(error)
+    except KeyboardInterrupt:
+        code, message = 128 + signal.SIGINT, "interrupted a second time; stopped without saving"
+    except OSError as error:  # e.g. a full disk; the message names the file
+        code, message = 1, f"rank {dist_info.rank}: {error}"
+    except RuntimeError as error:
+        if "DataLoader worker" in str(error):  # e.g. killed by the kernel's out-of-memory killer
+            code, message = 1, (f"rank {dist_info.rank}: {str(error).strip().splitlines()[0]}; if the system ran "
+                                "out of memory, lower data.num_workers or train.batch_size")
+        elif not is_communication_error(error):
+            raise
+        else:
+            code, message = 1, (f"rank {dist_info.rank}: lost contact with the other processes "
+                                f"({str(error).strip().splitlines()[0][:200]}); a peer hung, was killed or became "
+                                f"unreachable, and collectives wait at most dist.timeout_s={timeout_s:g} s. Under "
+                                "torchrun --max-restarts the job restarts and resumes from last.pt")
+    finally:
+        if trainer is not None:
+            trainer.close()  # stops the data-loading workers, which ignore SIGINT/SIGTERM
+        trainer = None  # the DDP wrapper must be gone before the process group (see cleanup)
+        if plan is not None:
+            plan.release()
+    if code:
+        if dist_info.is_main or code == 1:
+            print(f"train.py: error: {message}", file=sys.stderr)
         cleanup(synchronize=False)
-        return 1
+        return code
     if dist_info.is_main:
+        last = plan.config.run_dir / "last.pt"
         if result.reason == "signal":
-            print(f"train.py: interrupted at iteration {result.iteration}; saved {config.run_dir / 'last.pt'}; "
-                  f"continue with: {resume_command(args)}", file=sys.stderr)
+            print(f"train.py: stopped by {signal.Signals(result.signal).name} at iteration {result.iteration}; "
+                  f"saved {last}; continue with: {resume_command(args, dist_info)}", file=sys.stderr)
         best = f"best val mIoU {result.best_miou:.4f}" if result.best_miou >= 0 else "no validation yet"
-        logger.info("done at iteration %d (%s); checkpoints in %s", result.iteration, best, config.run_dir)
-    cleanup()
-    return 0
+        logger.info("%s at iteration %d (%s); checkpoints in %s", "stopped" if result.reason != "finished" else "done",
+                    result.iteration, best, plan.config.run_dir)
+    cleanup(synchronize=result.reason != "signal")
+    return 128 + result.signal if result.reason == "signal" else 0
 
 
 if __name__ == "__main__":

@@ -60,11 +60,23 @@ def palette_image(mask: np.ndarray, palette: np.ndarray) -> Image.Image:
     return image
 
 
+_JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
+_JPEG_TAIL = 4096  # where the end marker must be; tools append at most a little padding after it
+
+
 def read_image(path: str | os.PathLike) -> np.ndarray:
-    """HxWx3 uint8 RGB (EXIF orientation ignored, like the mask); BadSampleError if unreadable."""
-    image = cv2.imread(os.fspath(path), _IMAGE_READ_FLAGS)
+    """HxWx3 uint8 RGB (EXIF orientation ignored, like the mask); BadSampleError naming the file if it
+    is missing, not an image, or a JPEG cut short (decoders fill the missing part in gray silently)."""
+    try:
+        data = np.fromfile(os.fspath(path), dtype=np.uint8)
+    except OSError as error:
+        raise BadSampleError(f"cannot read image '{path}': {error.strerror or error}") from None
+    if data[:2].tobytes() == _JPEG_START and _JPEG_END not in data[-_JPEG_TAIL:].tobytes():
+        raise BadSampleError(f"image '{path}' is a truncated JPEG (no end marker: a partial download or copy?); "
+                             "replace the file")
+    image = cv2.imdecode(data, _IMAGE_READ_FLAGS) if data.size else None
     if image is None:
-        raise BadSampleError(f"cannot read image '{path}' (missing, truncated or not an image)")
+        raise BadSampleError(f"cannot read image '{path}' (empty, truncated or not an image)")
     return image
 
 
@@ -184,6 +196,16 @@ class SegmentationDataset(Dataset):
     def name_of(self, index: int) -> str:
         """The image file stem of sample `index` (used to name saved predictions)."""
         return Path(self.samples[index][0]).stem
+
+    def image_size(self, index: int) -> tuple[int, int]:
+        """(height, width) of sample `index`'s image file, from its header (nothing is decoded)."""
+        path = self.samples[index][0]
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except (OSError, SyntaxError) as error:
+            raise BadSampleError(f"cannot read image '{path}': {error}") from None
+        return height, width
 
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Decoded, validated and label-mapped (image HxWx3 uint8 RGB, mask HxW uint8); raises BadSampleError."""

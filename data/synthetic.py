@@ -181,7 +181,7 @@ class SyntheticShapes(Dataset):
     ) -> None:
         self.ignore_index = ignore_index  # rendered masks hold no ignore pixels; crop padding does
         self.length = length
-        self.image_size = image_size
+        self.side = image_size
         self.seed = seed
         self.split = split
         self.transform = transform
@@ -201,6 +201,9 @@ class SyntheticShapes(Dataset):
     def name_of(self, index: int) -> str:
         return f"synthetic_{index:05d}"
 
+    def image_size(self, index: int) -> tuple[int, int]:
+        return self.side, self.side
+
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The untransformed sample: (image HxWx3 uint8 RGB, mask HxW uint8)."""
         if not 0 <= index < self.length:
@@ -208,7 +211,7 @@ class SyntheticShapes(Dataset):
         if self._renders is not None and index in self._renders:
             return self._renders[index]
         rng = np.random.default_rng([self.seed, split_stream(self.split), index])
-        image, mask = render_shapes(rng, self.image_size, num_classes=self.num_classes)
+        image, mask = render_shapes(rng, self.side, num_classes=self.num_classes)
         if self._renders is not None:
             image.setflags(write=False)  # shared by every later epoch: a transform must not write into it
             mask.setflags(write=False)

@@ -7,8 +7,7 @@ Files are written atomically: a temporary file in the same folder, fsync, then o
 existing checkpoint is either the old one or the new one, never half-written.
 
 `load_inference_model` is what eval.py and predict.py share: checkpoint -> config (with overrides and
-CLI flags) -> model with the weights, on a device, in eval mode. `resolve_training_config` is
-train.py's --config / --resume logic.
+CLI flags) -> model with the weights, on a device, in eval mode.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.config import Config
-from engine.config_io import build_config, from_dict, inference_config, load_config, parse_overrides
+from engine.config_io import from_dict, inference_config
 from model.builder import build_model
 
 logger = logging.getLogger(__name__)
@@ -34,6 +33,8 @@ FORMAT_VERSION = 1
 # asks for them with `required_keys=`.
 REQUIRED_KEYS = ("format_version", "model", "config", "classes")
 RESUME_KEYS = REQUIRED_KEYS + ("iteration", "epoch", "best_miou", "optimizer", "scheduler", "scaler", "rng")
+
+TEMPORARY_SUFFIX = ".tmp"  # save_checkpoint writes .<name>.<random>.tmp beside <name>, then renames it
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.Size, torch.dtype, torch.device)
 
@@ -68,18 +69,21 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
     path = Path(path)
     _check_plain(dict(payload), "payload")
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
     try:
         with os.fdopen(handle, "wb") as file:
             torch.save(dict(payload), file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         try:
             os.unlink(temporary)
         except FileNotFoundError:
             pass
+        if isinstance(error, OSError):  # e.g. a full disk: say which file, and that the old one is intact
+            raise OSError(error.errno, f"could not write checkpoint '{path}': {error.strerror or error}; "
+                          "the previous file there (if any) is unchanged") from None
         raise
     try:  # make the rename itself durable; not possible on every platform / filesystem
         directory = os.open(path.parent, os.O_RDONLY)
@@ -121,6 +125,29 @@ def load_checkpoint(path: str | Path, *, required_keys: Iterable[str] = REQUIRED
         raise ValueError(f"checkpoint '{path}' has format_version={version!r}; this code reads versions "
                          f"<= {FORMAT_VERSION} (update syncseg)")
     return payload
+
+
+def peek_checkpoint(path: str | Path) -> dict[str, Any] | None:
+    """The small entries (iteration, best_miou, run_id, ..., and the config) of a checkpoint, read
+    without loading its tensors (memory-mapped); None when the file is missing or unreadable."""
+    try:
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # missing, partial or foreign: nothing to learn from it
+        return None
+    if not isinstance(payload, dict):
+        return None
+    small = {key: value for key, value in payload.items() if isinstance(value, (int, float, str, type(None)))}
+    if isinstance(payload.get("config"), dict):
+        small["config"] = payload["config"]
+    return small
+
+
+def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding inf or nan, or None."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 def describe_architecture(model_cfg: Any) -> str:
@@ -190,29 +217,3 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
     model.to(device).eval()
     return InferenceModel(model=model, config=config, classes=classes, iteration=payload.get("iteration"),
                           path=path, device=device)
-
-
-def resolve_training_config(config_name: str | None, resume: str | None,
-                            overrides: list[str] | tuple[str, ...]) -> tuple[Config, dict[str, Any] | None]:
-    """(config, resume payload or None) for train.py's --config, --resume (auto | PATH) and overrides.
-
-    `--resume auto` continues from <run dir>/last.pt when it exists (else starts fresh); a resumed run
-    takes the checkpoint's config with the overrides on top.
-    """
-    if config_name is None and resume in (None, "auto"):
-        raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
-    config = load_config(config_name, overrides) if config_name else None
-    if resume is None:
-        return config, None
-    if resume == "auto":
-        path = config.run_dir / "last.pt"
-        if not path.is_file():
-            logger.info("--resume auto: no %s yet, starting from scratch", path)
-            return config, None
-    else:
-        path = Path(resume)
-    payload = load_checkpoint(path, required_keys=RESUME_KEYS)
-    saved = from_dict(payload["config"], source=str(path))
-    config = build_config(parse_overrides(overrides), source="command line", base=saved)
-    logger.info("resuming from %s at iteration %d", path, payload["iteration"])
-    return config, payload

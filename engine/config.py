@@ -124,6 +124,14 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class DistConfig:
+    # seconds a collective (and the process-group rendezvous) waits for the other processes before the
+    # run stops: a hung or vanished peer ends every rank within this bound; a checkpoint save or a
+    # validation pass must fit in it
+    timeout_s: float = _limited(300.0, Limit(gt=0))
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "default"
     output_dir: str = ""  # "" = runs/<name>
@@ -131,13 +139,15 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir or f"runs/{self.name}")
 
 
-SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "eval": EvalConfig}
+SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "eval": EvalConfig,
+                             "dist": DistConfig}
 
 
 def field_types(cls: type) -> dict[str, Any]:

@@ -9,10 +9,13 @@ asks `DistInfo` (or the helpers below, which read torch.distributed) instead of 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import logging
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,21 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 _AUTOCAST_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}  # engine.config.Precision
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started: alone, by torchrun (torchelastic) or as one of srun's tasks."""
+
+    launcher: str = "none"  # none | torchrun | slurm
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    num_nodes: int = 1
+    elastic: bool = False  # under torchelastic: a restarted worker resumes from the run dir's last.pt
+    restart_count: int = 0
+    init_method: str = "env://"  # where the processes meet
 
 
 @dataclass(frozen=True)
@@ -37,6 +55,7 @@ class DistInfo:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mode: str = "cpu"
     device_ids: tuple[int, ...] = ()
+    launch: Launch = field(default_factory=lambda: Launch())
 
     @property
     def is_main(self) -> bool:
@@ -72,52 +91,117 @@ def parse_gpus(gpus: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _torchrun_world_size() -> int:
+def _int_variable(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set")
+        return default
     try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return int(value)
     except ValueError:
-        raise ValueError(f"environment WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+        raise ValueError(f"environment {name}={value!r} is not an integer") from None
 
 
-def setup_distributed(gpus: str | None) -> DistInfo:
-    """Pick the device(s) and, under torchrun, initialize the process group.
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host list ("gpu[01-03,7],login2") -> ["gpu01", "gpu02", "gpu03", "gpu7", "login2"]."""
+    hosts: list[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?(?:,|$)", hostlist.strip()):
+        prefix, ranges = match.group(1), match.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            if not last:
+                hosts.append(prefix + first)
+                continue
+            hosts += [f"{prefix}{number:0{len(first)}d}" for number in range(int(first), int(last) + 1)]
+    return hosts
 
-    - torchrun (WORLD_SIZE > 1): DDP, one device per process: `cuda:LOCAL_RANK` with NCCL when CUDA
-      is available, CPU with gloo otherwise. `gpus` must then be None.
+
+TORCHRUN_FORM = ("srun torchrun --nnodes $SLURM_NNODES --nproc_per_node <GPUs per node> --rdzv_backend c10d "
+                 "--rdzv_endpoint $(hostname):29500 train.py ...")
+
+
+def detect_launch(environ: Mapping[str, str] = os.environ) -> Launch:
+    """Read the launcher's environment: torchrun's WORLD_SIZE/RANK/LOCAL_RANK (and TORCHELASTIC_*), or,
+    without them, the SLURM_* variables of a task that srun started (SLURM_STEP_ID is set: a plain
+    `python train.py` in an sbatch script stays one process). Raises ValueError with one line when the
+    variables cannot describe a run."""
+    if "WORLD_SIZE" in environ or "TORCHELASTIC_RUN_ID" in environ:
+        world_size = _int_variable(environ, "WORLD_SIZE", 1)
+        local_world_size = _int_variable(environ, "LOCAL_WORLD_SIZE", world_size)
+        return Launch(
+            launcher="torchrun", rank=_int_variable(environ, "RANK", 0), world_size=world_size,
+            local_rank=_int_variable(environ, "LOCAL_RANK", 0), local_world_size=local_world_size,
+            num_nodes=_int_variable(environ, "GROUP_WORLD_SIZE", max(1, world_size // max(1, local_world_size))),
+            elastic="TORCHELASTIC_RUN_ID" in environ,
+            restart_count=_int_variable(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        )
+    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:
+        world_size = _int_variable(environ, "SLURM_STEP_NUM_TASKS", _int_variable(environ, "SLURM_NTASKS", 1))
+        if world_size == 1:
+            return Launch()
+        hosts = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST", ""))
+        address = environ.get("MASTER_ADDR") or (hosts[0] if hosts else "")
+        if not address:
+            raise ValueError(f"srun started {world_size} tasks but SLURM_NODELIST is not set, so there is no address "
+                             f"to meet at; set MASTER_ADDR, or launch with torchrun: {TORCHRUN_FORM}")
+        # a port of this job's own, so that two jobs sharing a node do not meet each other
+        port = _int_variable(environ, "MASTER_PORT", 20000 + _int_variable(environ, "SLURM_JOB_ID", 0) % 20000)
+        num_nodes = _int_variable(environ, "SLURM_STEP_NUM_NODES", _int_variable(environ, "SLURM_NNODES", len(hosts)))
+        return Launch(
+            launcher="slurm", rank=_int_variable(environ, "SLURM_PROCID"), world_size=world_size,
+            local_rank=_int_variable(environ, "SLURM_LOCALID", 0),
+            local_world_size=max(1, world_size // max(1, num_nodes)), num_nodes=max(1, num_nodes),
+            init_method=f"tcp://{address}:{port}",
+        )
+    return Launch()
+
+
+def setup_distributed(gpus: str | None, *, timeout_s: float = 300.0, launch: Launch | None = None) -> DistInfo:
+    """Pick the device(s) and, under torchrun or srun with several processes, initialize the process group.
+
+    - torchrun / srun (world size > 1): DDP, one device per process: `cuda:LOCAL_RANK` with NCCL when
+      CUDA is available, CPU with gloo otherwise. `gpus` must then be None. Every collective waits at
+      most `timeout_s` seconds (dist.timeout_s) for the other processes.
     - `gpus="cpu"`: CPU, even when CUDA is available.
     - `gpus="0,1"`: one process over those GPUs (mode "dp"); a missing id raises ValueError.
     - `gpus=None`: GPU 0 (mode "dp" with one device) when CUDA is available, else CPU.
     """
-    world_size = _torchrun_world_size()
-    if world_size > 1:
-        if gpus is not None:
+    launch = launch or detect_launch()
+    if launch.world_size <= 1:
+        return replace(_single_process(gpus), launch=launch)
+    if gpus is not None:
+        raise ValueError(
+            f"--gpus {gpus} cannot be combined with {launch.launcher} (world size {launch.world_size}); each "
+            "process gets one device: restrict the visible GPUs with CUDA_VISIBLE_DEVICES instead"
+        )
+    rank, world_size, local_rank = launch.rank, launch.world_size, launch.local_rank
+    options: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
             raise ValueError(
-                f"--gpus {gpus} cannot be combined with torchrun (WORLD_SIZE={world_size}); torchrun gives each "
-                "process one device: restrict the visible GPUs with CUDA_VISIBLE_DEVICES instead"
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                "use --nproc_per_node <= the number of GPUs"
             )
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available():
-            if local_rank >= torch.cuda.device_count():
-                raise ValueError(
-                    f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
-                    "use --nproc_per_node <= the number of GPUs"
-                )
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-            device_ids: tuple[int, ...] = (local_rank,)
-        else:
-            device = torch.device("cpu")
-            backend = "gloo"
-            device_ids = ()
-        if not dist.is_initialized():
-            dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
-        logger.info("torchrun: rank %d/%d, local rank %d, %s backend, device %s",
-                    rank, world_size, local_rank, backend, device)
-        return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mode="ddp",
-                        device_ids=device_ids)
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend, device_ids = "nccl", (local_rank,)
+        options["device_id"] = device  # NCCL binds its communicator to this GPU at once
+    else:
+        device, backend, device_ids = torch.device("cpu"), "gloo", ()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method=launch.init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), **options)
+    logger.info("%s: rank %d/%d, local rank %d, %s backend, device %s, collectives time out after %g s",
+                launch.launcher, rank, world_size, local_rank, backend, device, timeout_s)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mode="ddp",
+                    device_ids=device_ids, launch=launch)
 
+
+def _single_process(gpus: str | None) -> DistInfo:
     if gpus is not None and gpus.strip().lower() == "cpu":
         return DistInfo()
     if gpus is None:
@@ -167,6 +251,18 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+_COMMUNICATION_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset", "timed out",
+                          "socket timeout", "broken pipe")
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """Whether `error` says a collective failed: a peer hung past the timeout, died or is unreachable."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return is_dist() and any(marker in text for marker in _COMMUNICATION_MARKERS)
 
 
 def is_dist() -> bool:

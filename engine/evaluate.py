@@ -13,11 +13,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from tqdm import tqdm
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from data.transforms import normalize_batch
 from engine.distributed import all_reduce_sum, autocast_for, get_rank
@@ -25,6 +26,28 @@ from engine.inference import predict
 from engine.metrics import ConfusionMatrix
 
 logger = logging.getLogger(__name__)
+
+
+def check_batching(dataset: Any, batch_size: int, *, key: str) -> None:
+    """ValueError when batches of `batch_size` images cannot be stacked: the images of `dataset`, after
+    its evaluation transform, differ in size. Reads image headers only (datasets with `image_size`)."""
+    if batch_size <= 1 or not hasattr(dataset, "image_size"):
+        return
+    sizes: dict[tuple[int, int], int] = {}
+    for index in range(len(dataset)):
+        sizes.setdefault(tuple(dataset.image_size(index)), index)
+    if len(sizes) > 1 and getattr(dataset, "transform", None) is not None:
+        resized: dict[tuple[int, int], int] = {}
+        for (height, width), index in sizes.items():  # one blank image per distinct size
+            image, _ = dataset.transform(np.zeros((height, width, 3), np.uint8), np.zeros((height, width), np.uint8))
+            resized.setdefault(tuple(image.shape[-2:]), index)
+        sizes = resized
+    if len(sizes) > 1:
+        (first, first_index), (second, second_index) = list(sizes.items())[:2]
+        raise ValueError(
+            f"{key}={batch_size} stacks several images per batch, but the images differ in size (e.g. "
+            f"{dataset.name_of(first_index)} is {first[1]}x{first[0]}, {dataset.name_of(second_index)} is "
+            f"{second[1]}x{second[0]}, width x height); set {key}=1")
 
 
 def evaluate(

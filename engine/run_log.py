@@ -17,6 +17,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from data import palette_image
+from data.transforms import normalize_batch
+from engine.inference import predict
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,8 +43,15 @@ class MetricsLog:
         if resume_iteration is None:
             self.path.write_text("")
         elif self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("iteration", 0) <= resume_iteration]
+            kept = []
+            for number, line in enumerate(self.path.read_text().splitlines(), 1):
+                try:
+                    record = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:  # a write cut short when the process was killed
+                    logger.warning("%s: line %d is not a JSON record (a write cut short?); dropped", self.path, number)
+                    continue
+                if record is not None and record.get("iteration", 0) <= resume_iteration:
+                    kept.append(line)
             self.path.write_text("".join(line + "\n" for line in kept))
         self._open()
 
@@ -142,6 +153,24 @@ def progress_bar(*, enabled: bool, total: int, initial: int) -> Iterator[Any]:
         yield bar
     finally:
         bar.close()
+
+
+@torch.no_grad()
+def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int], *, num_classes: int,
+                    device: torch.device, data_cfg: Any, eval_cfg: Any) -> np.ndarray:
+    """image | truth | prediction, one row per dataset index, predicted as evaluation does (eval mode)."""
+    palette = np.asarray(dataset.palette, dtype=np.uint8)
+    rows = []
+    for index in indices:
+        image, mask = dataset[index]
+        batch = normalize_batch(image.unsqueeze(0).to(device), data_cfg.mean, data_cfg.std)
+        logits = predict(model, batch, num_classes=num_classes, mode=eval_cfg.mode, window_size=eval_cfg.window_size,
+                         stride=eval_cfg.stride)
+        prediction = logits.argmax(1)[0].cpu().numpy().astype(np.uint8)
+        rows.append([image.permute(1, 2, 0).numpy()] + [
+            np.asarray(palette_image(labels.astype(np.uint8), palette).convert("RGB"))
+            for labels in (mask.numpy(), prediction)])
+    return image_grid(rows)
 
 
 def image_grid(rows: Sequence[Sequence[np.ndarray]]) -> np.ndarray:

@@ -18,30 +18,43 @@ from engine.distributed import get_rank, get_world_size
 from engine.seeding import SeededDataset, mix_seed, worker_init
 
 
+def split_batch(global_batch: int, world_size: int) -> list[int]:
+    """Per-process batch sizes, as even as possible: 8 over 3 processes is [3, 3, 2]."""
+    base, extra = divmod(global_batch, world_size)
+    return [base + (1 if rank < extra else 0) for rank in range(world_size)]
+
+
 class ResumableBatchSampler(Sampler):
     """Batches of (index, sample_seed) for one process, reproducible from (seed, epoch).
 
-    Global batch t is permutation[t*G:(t+1)*G] with G = batch_size * world_size, and process `rank`
-    gets the rank-th slice of it. The incomplete last global batch is dropped. `set_epoch(e,
-    start_batch=k)` skips the first k batches (resume).
+    Global batch t is permutation[t*G:(t+1)*G] with G = `global_batch`, and process `rank` gets its
+    slice of it (`split_batch`: sizes differ by at most one). The incomplete last global batch is
+    dropped. `set_epoch(e, start_batch=k)` skips the first k batches (resume). The order depends on
+    neither the number of processes nor the rank, so a run resumed on another world size sees the same
+    global batches.
     """
 
-    def __init__(self, num_samples: int, *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
-        global_batch = batch_size * world_size
+    def __init__(self, num_samples: int, *, global_batch: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        if global_batch < world_size:
+            raise ValueError(f"train.batch_size={global_batch} is smaller than the {world_size} processes; every "
+                             "process needs at least one sample per step")
         if num_samples < global_batch:
             raise ValueError(f"the training split has {num_samples} samples, fewer than one global batch "
                              f"(train.batch_size={global_batch}); lower train.batch_size")
         self.num_samples = num_samples
-        self.batch_size = batch_size
+        self.global_batch = global_batch
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        sizes = split_batch(global_batch, world_size)
+        self.batch_size = sizes[rank]  # this process's share
+        self.offset = sum(sizes[:rank])
         self.epoch = 0
         self.start_batch = 0
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.num_samples // (self.batch_size * self.world_size)
+        return self.num_samples // self.global_batch
 
     def set_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
         if not 0 <= start_batch <= self.batches_per_epoch:
@@ -56,9 +69,8 @@ class ResumableBatchSampler(Sampler):
         generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
         order = torch.randperm(self.num_samples, generator=generator).tolist()
         seeds = torch.randint(0, 2**31 - 1, (self.num_samples,), generator=generator).tolist()
-        global_batch = self.batch_size * self.world_size
         for batch in range(self.start_batch, self.batches_per_epoch):
-            first = batch * global_batch + self.rank * self.batch_size
+            first = batch * self.global_batch + self.offset
             yield [(order[j], seeds[j]) for j in range(first, first + self.batch_size)]
 
 
@@ -105,6 +117,23 @@ def build_eval_loader(
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, drop_last=False, persistent_workers=False, worker_init_fn=worker_init,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def shutdown_workers(loader: DataLoader) -> None:
+    """Stop `loader`'s persistent worker processes now.
+
+    The workers ignore SIGINT/SIGTERM (a signal to the whole process group must reach only the main
+    process, which finishes the step and saves), so multiprocessing's exit handler, which stops
+    children with SIGTERM and then waits for them, would wait forever: they are told to exit here.
+    torch has no public call for it; its iterator's own shutdown is what a garbage-collected iterator
+    runs.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        loader._iterator = None
 
 
 def train_batches(loader: DataLoader, start_iteration: int) -> Iterator[Any]:

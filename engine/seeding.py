@@ -89,8 +89,9 @@ class SeededDataset(Dataset):
 
 
 def worker_init(worker_id: int) -> None:
-    """DataLoader worker_init_fn: ignore SIGINT (the main process owns the stop and shuts the workers
-    down), then seed numpy and `random` from the worker's torch seed.
+    """DataLoader worker_init_fn: ignore SIGINT and SIGTERM (a signal to the whole process group is the
+    main process's to handle: it finishes the step, saves and shuts the workers down; see
+    engine.samplers.shutdown_workers), then seed numpy and `random` from the worker's torch seed.
 
     torch already gives each worker its own seed (base seed + worker id, the base drawn from the
     loader's generator); this extends it to numpy / random for any user code in the worker. It
@@ -98,6 +99,7 @@ def worker_init(worker_id: int) -> None:
     thread pool that call hangs.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)

@@ -18,22 +18,34 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-import numpy as np
 import torch
 from torch import nn
 
-from data import build_dataset, palette_image
+from data import build_dataset
 from data.transforms import normalize_batch
-from engine.checkpoint import FORMAT_VERSION, RESUME_KEYS, load_checkpoint, save_checkpoint
+from engine.checkpoint import (
+    FORMAT_VERSION,
+    RESUME_KEYS,
+    first_non_finite,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
 from engine.config import Config
-from engine.config_io import save_config, to_dict
+from engine.config_io import from_dict, save_config, to_dict
 from engine.distributed import DistInfo, all_reduce_sum, autocast_for, barrier, is_dist
-from engine.evaluate import evaluate
-from engine.inference import predict
+from engine.evaluate import check_batching, evaluate
 from engine.loss import build_loss
 from engine.optim import PolyWarmupLR, build_optimizer
-from engine.run_log import MetricsLog, Throughput, image_grid, peak_memory_mb, progress_bar, progress_line
-from engine.samplers import ResumableBatchSampler, build_eval_loader, build_train_loader, train_batches
+from engine.run_log import MetricsLog, Throughput, peak_memory_mb, prediction_grid, progress_bar, progress_line
+from engine.samplers import (
+    ResumableBatchSampler,
+    build_eval_loader,
+    build_train_loader,
+    shutdown_workers,
+    split_batch,
+    train_batches,
+)
 from engine.seeding import capture_rng_state, mix_seed, restore_rng_state, seed_process
 from engine.signals import StopRequest
 from model.builder import build_model, build_param_groups, load_segmentation_weights
@@ -54,6 +66,7 @@ class TrainResult:
     best_miou: float = -1.0
     iteration: int = 0
     reason: str = "finished"
+    signal: int | None = None  # the signal that stopped the run (reason "signal")
     train_seconds: float = 0.0
 
 
@@ -61,27 +74,27 @@ class Trainer:
     """Builds everything from a Config and trains. Only rank 0 writes files.
 
     `resume`: a checkpoint payload (engine.checkpoint.load_checkpoint with RESUME_KEYS) to continue
-    from, or None. `stop_at`: stop (saving last.pt, as on a signal) at this iteration; None =
+    from, or None; `run_id` and `overrides` (engine.run_dir.RunPlan) are saved in every checkpoint. `stop_at`: stop (saving last.pt, as on a signal) at this iteration; None =
     train.iters. `fit` may be called again with a later `stop_at`: it continues the same data stream.
     """
 
     def __init__(self, config: Config, dist_info: DistInfo, *, resume: Mapping[str, Any] | None = None,
-                 stop_at: int | None = None, progress: bool | None = None) -> None:
+                 run_id: str = "", overrides: Mapping[str, str] | None = None, stop_at: int | None = None,
+                 progress: bool | None = None) -> None:
         self.config, self.dist, self.device = config, dist_info, dist_info.device
         self.is_main = dist_info.is_main
+        self.run_id = run_id or (resume or {}).get("run_id", "")
+        self.overrides = dict(overrides or {})  # saved with the run: a resume checks its --config against them
         self.stop_at = stop_at
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.is_main
         self.run_dir = config.run_dir
         train_cfg, data_cfg = config.train, config.data
-        if train_cfg.batch_size % dist_info.world_size:
-            raise ValueError(f"train.batch_size={train_cfg.batch_size} is not divisible by the "
-                             f"{dist_info.world_size} torchrun processes; use a multiple")
-        self.local_batch = train_cfg.batch_size // dist_info.world_size
         self.ignore_index = data_cfg.ignore_index
         # The model initializes identically on every process; each then gets its own stream (dropout).
         torch.manual_seed(mix_seed(train_cfg.seed, "init") % 2**63)
         self.train_set = build_dataset(data_cfg, data_cfg.train_split, train=True)
         self.val_set = build_dataset(data_cfg, data_cfg.val_split, train=False)
+        check_batching(self.val_set, config.eval.batch_size, key="eval.batch_size")  # fail now, not at validation
         self.classes = tuple(self.train_set.classes)
         self.num_classes = len(self.classes)
         self.model = self._build_model(init_weights=resume is None)  # unwrapped: checkpoints, validation
@@ -97,8 +110,8 @@ class Trainer:
         self.iteration, self.best_miou = 0, -1.0
         if resume is not None:
             self._load_training_state(resume)
-        self.sampler = ResumableBatchSampler(len(self.train_set), batch_size=self.local_batch, seed=train_cfg.seed,
-                                             rank=dist_info.rank, world_size=dist_info.world_size)
+        self.sampler = ResumableBatchSampler(len(self.train_set), global_batch=train_cfg.batch_size,
+                                             seed=train_cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size)
         pin = self.device.type == "cuda"
         self.train_loader = build_train_loader(self.train_set, self.sampler, num_workers=data_cfg.num_workers,
                                                pin_memory=pin, seed=train_cfg.seed)
@@ -114,7 +127,8 @@ class Trainer:
         else:
             seed_process(train_cfg.seed, dist_info.rank)
         if self.is_main:
-            self._prepare_run_dir(resumed=resume is not None)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(config, self.run_dir / "config.yaml")
         self.log = MetricsLog(self.run_dir, enabled=self.is_main,
                               resume_iteration=self.iteration if resume is not None else None)
         self._describe()
@@ -134,7 +148,10 @@ class Trainer:
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.dist.mode == "ddp":
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+            # buffers are not broadcast from rank 0 before each forward: synchronized BN keeps them equal, and with
+            # plain BN each process keeps its own statistics
+            return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
+                                                       gradient_as_bucket_view=True)
         if self.dist.num_replicas > 1:
             return DataParallelWithCallback(model, device_ids=list(self.dist.device_ids))
         return model
@@ -144,7 +161,8 @@ class Trainer:
         if missing:
             raise ValueError(f"cannot resume: the checkpoint lacks {', '.join(missing)} (a last.pt from train.py "
                              "has them)")
-        self.model.load_state_dict(resume["model"])
+        load_model_weights(self.model, resume["model"], checkpoint=resume.get("path", "resumed"),
+                           saved_model_cfg=from_dict(resume["config"]).model, model_cfg=self.config.model)
         configured = [(group["initial_lr"], group["weight_decay"]) for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(resume["optimizer"])
         # the (possibly overridden) config decides the base LR and weight decay from here on
@@ -165,13 +183,6 @@ class Trainer:
                            len(states), self.dist.world_size)
             torch.manual_seed(mix_seed(self.config.train.seed, "train", self.dist.rank, self.iteration))
 
-    def _prepare_run_dir(self, *, resumed: bool) -> None:
-        if not resumed and (self.run_dir / "last.pt").is_file():
-            logger.warning("%s already holds a run; starting over (its checkpoints are overwritten as this run "
-                           "saves; pass --resume auto to continue it instead)", self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.config, self.run_dir / "config.yaml")
-
     def _describe(self) -> None:
         norm = self.config.model.norm
         if self.dist.num_replicas == 1:
@@ -181,9 +192,10 @@ class Trainer:
         else:
             sync = ("across the processes through torch.distributed" if self.dist.mode == "ddp"
                     else "across the GPUs (DataParallelWithCallback)")
+        shares = split_batch(self.config.train.batch_size, self.dist.num_replicas)
+        per_device = f"{shares[0]}" if len(set(shares)) == 1 else ",".join(map(str, shares))
         logger.info("%s; global batch %d, per-device batch %s; BN statistics %s; amp=%s", self.dist.describe(),
-                    self.config.train.batch_size, f"{self.config.train.batch_size / self.dist.num_replicas:g}",
-                    sync, self.config.train.amp)
+                    self.config.train.batch_size, per_device, sync, self.config.train.amp)
         logger.info("%d training / %d validation images, %d classes, %d batches per epoch; run dir %s",
                     len(self.train_set), len(self.val_set), self.num_classes, self.sampler.batches_per_epoch,
                     self.run_dir)
@@ -191,7 +203,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------- the loop
     def fit(self, *, stop_at: int | None = None) -> TrainResult:
         """Train up to `stop_at` (default: the constructor's, else train.iters). last.pt is written every
-        train.ckpt_interval, at the stop iteration and on a signal; best.pt at each better validation."""
+        train.ckpt_interval, at the stop iteration and on a signal (before any validation of the same
+        iteration, so a failing validation cannot cost the work); best.pt at each better validation."""
         total = self.config.train.iters
         stop_at = min(total, next((s for s in (stop_at, self.stop_at) if s is not None), total))
         result = TrainResult(best_miou=self.best_miou, iteration=self.iteration)
@@ -203,30 +216,28 @@ class Trainer:
             while self.iteration < stop_at:
                 wait_start = time.perf_counter()
                 images, masks = next(self.batches)
-                throughput.add(images=images.shape[0] * self.dist.world_size,
-                               data_seconds=time.perf_counter() - wait_start)
+                throughput.add(images=self.config.train.batch_size, data_seconds=time.perf_counter() - wait_start)
                 self._pending_losses.append((self.iteration + 1, self.train_step(images, masks)))
                 self.iteration += 1
+                stopped = stop.agreed() and self.iteration < stop_at
                 validate, checkpoint, log = self._due(stop_at)
-                if validate or checkpoint or log:
+                if validate or checkpoint or log or stopped:
                     self._record_losses(result)  # raises on a non-finite loss, before anything is saved
                 if self.iteration % self.config.train.log_interval == 0:
                     self._log_training(result, throughput, stop_at, bar)
                 if bar is not None:
                     bar.update(1)
                 periodic_start = time.perf_counter()
-                names = self._validate_if_better(result) if validate else []
-                stopped = stop.agreed() and self.iteration < stop_at
                 if checkpoint or stopped:
-                    self._record_losses(result)
-                    self.save(names + ["last.pt"])
-                elif names:
-                    self.save(names)
+                    with stop.deferring_interrupts():
+                        self.save(["last.pt"])
+                if validate and not stopped and self._validate_is_best(result):
+                    with stop.deferring_interrupts():
+                        self.save(["best.pt"])
                 periodic_seconds += time.perf_counter() - periodic_start
                 if stopped:
-                    result.reason = "signal"
-                    logger.warning("stopped by signal at iteration %d; last.pt saved, resume with --resume auto",
-                                   self.iteration)
+                    result.reason, result.signal = "signal", stop.received
+                    logger.warning("stopped by signal at iteration %d; last.pt saved", self.iteration)
                     break
         result.train_seconds = time.perf_counter() - loop_start - periodic_seconds
         if result.reason != "signal" and self.iteration < total:
@@ -307,14 +318,14 @@ class Trainer:
                                       eta=throughput.eta_seconds(self.iteration, stop_at)))
 
     # ------------------------------------------------------------------------ periodic actions
-    def _validate_if_better(self, result: TrainResult) -> list[str]:
-        """Validate; ["best.pt"] when the mIoU beats the best so far (to be saved), else []."""
+    def _validate_is_best(self, result: TrainResult) -> bool:
+        """Validate; True when the mIoU beats the best so far (best.pt is then saved)."""
         metrics = self.validate()
         result.last_val = metrics
         if metrics["miou"] > self.best_miou:
             self.best_miou = float(metrics["miou"])
-            return ["best.pt"]
-        return []
+            return True
+        return False
 
     def validate(self) -> dict[str, Any]:
         """evaluate() on the validation shard of this process (the same code path as eval.py)."""
@@ -327,29 +338,14 @@ class Trainer:
             record = {k: metrics[k] for k in ("miou", "pixel_acc", "mean_acc", "fwiou", "num_images") if k in metrics}
             record["iou"] = {name: value for name, value in zip(self.classes, metrics["iou"]) if value is not None}
             self.log.scalars(record, step=self.iteration, prefix="val")
-            self._log_images()
+            if self.vis_indices:
+                grid = prediction_grid(self.model, self.val_set, self.vis_indices, num_classes=self.num_classes,
+                                       device=self.device, data_cfg=self.config.data, eval_cfg=self.config.eval)
+                self.log.image("val/image_truth_prediction", grid, step=self.iteration)
             logger.info("iteration %d: val mIoU %.4f, pixel acc %.4f (%d images)", self.iteration,
                         metrics["miou"], metrics["pixel_acc"], metrics["num_images"])
         self.model.train()
         return metrics
-
-    @torch.no_grad()
-    def _log_images(self) -> None:
-        if not self.vis_indices:
-            return
-        palette = np.asarray(self.train_set.palette, dtype=np.uint8)
-        data_cfg, eval_cfg = self.config.data, self.config.eval
-        rows = []
-        for index in self.vis_indices:
-            image, mask = self.val_set[index]
-            batch = normalize_batch(image.unsqueeze(0).to(self.device), data_cfg.mean, data_cfg.std)
-            logits = predict(self.model, batch, num_classes=self.num_classes, mode=eval_cfg.mode,
-                             window_size=eval_cfg.window_size, stride=eval_cfg.stride)
-            prediction = logits.argmax(1)[0].cpu().numpy().astype(np.uint8)
-            rows.append([image.permute(1, 2, 0).numpy()] + [
-                np.asarray(palette_image(labels.astype(np.uint8), palette).convert("RGB"))
-                for labels in (mask.numpy(), prediction)])
-        self.log.image("val/image_truth_prediction", image_grid(rows), step=self.iteration)
 
     def _payload(self, rng: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -364,10 +360,25 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": rng,
+            "run_id": self.run_id,
+            "overrides": self.overrides,
         }
 
     def save(self, names: list[str]) -> None:
-        """Write run_dir/<name> for each name (rank 0); every process must call it (RNG gathering)."""
+        """Write run_dir/<name> for each name (rank 0); every process must call it (RNG gathering).
+
+        Raises FloatingPointError, before writing, when a parameter or buffer is not finite (on any
+        process): the previous checkpoint stays the last good one.
+        """
+        bad = first_non_finite(self.model.state_dict())
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.device)
+        all_reduce_sum(flag)
+        if flag.item() > 0:
+            where = f"tensor {bad}" if bad is not None else "a tensor of another process"
+            raise FloatingPointError(
+                f"non-finite {where} at iteration {self.iteration}; stopping without saving. The last good "
+                f"checkpoint ({self.run_dir / 'last.pt'}) was left untouched; lower train.lr, try train.amp=off, "
+                "or check the data")
         state = capture_rng_state()
         states: list[Any] = [state]
         if is_dist():
@@ -381,5 +392,7 @@ class Trainer:
         barrier()
 
     def close(self) -> None:
-        """Close the TensorBoard writer."""
+        """Stop the data-loading workers and close the TensorBoard writer (call it however training ended)."""
+        self.batches.close()
+        shutdown_workers(self.train_loader)
         self.log.close()

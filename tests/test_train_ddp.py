@@ -36,9 +36,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _train(tmp_path: Path, name: str, *, processes: int, norm: str) -> tuple[dict, str]:
+def _train(tmp_path: Path, name: str, *, processes: int, norm: str, extra: tuple[str, ...] = ()) -> tuple[dict, str]:
     output = tmp_path / f"{name}.json"
-    arguments = [str(output), f"output_dir={tmp_path / name}", f"model.norm={norm}", *TINY]
+    arguments = [str(output), f"output_dir={tmp_path / name}", f"model.norm={norm}", *TINY, *extra]
     if processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                    "--module", "tests.test_train_ddp", *arguments]
@@ -68,6 +68,20 @@ def test_two_process_ddp_matches_single_process_with_sync_bn(tmp_path):
     unsynced, log = _train(tmp_path, "ddp_bn", processes=2, norm="bn")
     assert "not synchronized" in log
     assert max(abs(unsynced["losses"][s] - single["losses"][s]) for s in single["losses"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_three_processes_share_a_global_batch_of_eight_unevenly_and_match_one_process(tmp_path):
+    """8 over 3 processes is 3 + 3 + 2: BN statistics and the loss stay those of the global batch."""
+    extra = ("train.batch_size=8", "train.iters=3", "train.val_interval=3")
+    single, _ = _train(tmp_path, "single", processes=1, norm="syncbn", extra=extra)
+    three, log = _train(tmp_path, "three", processes=3, norm="syncbn", extra=extra)
+    assert "DDP over 3 processes" in log and "per-device batch 3,3,2" in log
+    assert sorted(three["losses"]) == sorted(single["losses"]) == ["1", "2", "3"]
+    for step in single["losses"]:
+        assert three["losses"][step] == pytest.approx(single["losses"][step], abs=1e-4, rel=0), step
+    assert len(set(single["losses"].values())) > 1
+    assert three["val"]["num_images"] == 6
 
 
 def main(argv: list[str]) -> int:

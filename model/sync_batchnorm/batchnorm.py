@@ -296,8 +296,19 @@ class _SynchronizedBatchNorm(_BatchNorm):
         """
         return self._thread_exchange() is not None or self._distributed_group() is not None
 
+    def _abort_round(self, error: BaseException) -> None:
+        """Fail this step's rendezvous for every thread replica (they raise at once instead of waiting)."""
+        if self._slave_pipe is not None:
+            self._slave_pipe.abort(error)
+        elif self._is_parallel and self._parallel_id == 0:
+            self._sync_master.abort(error)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
+        try:
+            self._check_input_dim(input)
+        except ValueError as error:
+            self._abort_round(error)
+            raise
         # Running-statistics bookkeeping exactly as nn.BatchNorm.
         average_factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

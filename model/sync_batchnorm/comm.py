@@ -7,13 +7,15 @@ once over all messages (ordered by copy id), and hands each slave its result thr
 
 Failure handling, which the original package lacks: a replica that raises (anywhere in its forward)
 aborts the round, so every replica still waiting raises `SyncAbortedError` at once instead of hanging
-the step; every wait is also bounded by `timeout` seconds as a last resort. The next round (the next
-`replicate`) starts clean.
+the step; a slave's own failure reaches the master through `SlavePipe.abort`. As a last resort a round
+is bounded by `timeout` seconds as a whole (the master's wait for all slaves together, not per
+message). The next round (the next `replicate`) starts clean.
 """
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -83,19 +85,32 @@ def _aborted(cause: BaseException) -> BaseException:
 
 
 class SlavePipe:
-    """A slave replica's end of the rendezvous: send a message, receive the master's result."""
+    """A slave replica's end of the rendezvous: send a message, receive the master's result.
 
-    def __init__(self, identifier: int, message_queue: queue.Queue, result: FutureResult, timeout: float) -> None:
+    `SlavePipe(identifier, queue, result)` as in the original package; `timeout` bounds the wait for the
+    result and `abort` (the master's SyncMaster.abort) lets this replica fail the whole round.
+    """
+
+    def __init__(self, identifier: int, message_queue: queue.Queue, result: FutureResult,
+                 timeout: float = DEFAULT_TIMEOUT, abort: Callable[[BaseException], None] | None = None) -> None:
         self.identifier = identifier
         self.queue = message_queue
         self.result = result
         self.timeout = timeout
+        self._abort = abort
 
     def run_slave(self, message: Any) -> Any:
         if self.result.failed:  # the round was aborted before this replica arrived
             return self.result.get(0)
         self.queue.put((self.identifier, message))
         return self.result.get(self.timeout)
+
+    def abort(self, cause: BaseException) -> None:
+        """Fail the round for every replica (this one raises `cause` itself)."""
+        if self._abort is not None:
+            self._abort(cause)
+        else:  # a pipe made without the master's abort: wake the master, which fails the others
+            self.queue.put(_ABORT)
 
 
 class SyncMaster:
@@ -144,7 +159,7 @@ class SyncMaster:
         with self._lock:
             future = FutureResult()
             self._registry[identifier] = future
-            return SlavePipe(identifier, self._queue, future, self.timeout)
+            return SlavePipe(identifier, self._queue, future, self.timeout, abort=self.abort)
 
     def abort(self, cause: BaseException) -> None:
         """Fail the current round: every waiting (and later arriving) replica raises."""
@@ -162,10 +177,11 @@ class SyncMaster:
         if self._aborted is not None:
             raise _aborted(self._aborted)
         intermediates = [(0, master_message)]
+        deadline = time.monotonic() + self.timeout
         try:
             for _ in range(self.nr_slaves):
                 try:
-                    item = self._queue.get(timeout=self.timeout)
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     raise TimeoutError(
                         f"synchronized layer waited {self.timeout} s for {self.nr_slaves} replicas; "

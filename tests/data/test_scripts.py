@@ -86,8 +86,11 @@ def test_verify_dataset_reports_counts_frequencies_and_bad_samples(tmp_path, voc
                                                            for n in ("2007_000010", "2007_000011"))
 
     Image.fromarray(np.full((3, 3), 30, dtype=np.uint8), mode="L").save(root / "SegmentationClass" / "2007_000011.png")
+    truncated = root / "JPEGImages" / "2007_000010.jpg"
+    truncated.write_bytes(truncated.read_bytes()[:-300])
     assert verify.main(["--config", _config(tmp_path, root), "--splits", "val"]) == 1
-    assert "BAD:" in capsys.readouterr().out
+    bad = [line for line in capsys.readouterr().out.splitlines() if "BAD:" in line]
+    assert len(bad) == 2 and any("2007_000010.jpg' is a truncated JPEG" in line for line in bad), bad
 
 
 def test_verify_dataset_missing_root_exits_2(tmp_path, capsys):

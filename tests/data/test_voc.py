@@ -72,6 +72,9 @@ def _corrupt(root, name, kind):
         Image.fromarray(mask, mode="L").save(root / "SegmentationClass" / f"{name}.png")
     elif kind == "image":
         (root / "JPEGImages" / f"{name}.jpg").write_bytes(b"not a jpeg")
+    elif kind == "truncated":  # a download cut short: decoders would fill the rest in gray without a word
+        path = root / "JPEGImages" / f"{name}.jpg"
+        path.write_bytes(path.read_bytes()[:-200])
     elif kind == "rgb_mask":
         image = cv2.imread(str(root / "JPEGImages" / f"{name}.jpg"))
         Image.fromarray(image).save(root / "SegmentationClass" / f"{name}.png")
@@ -79,7 +82,7 @@ def _corrupt(root, name, kind):
 
 @pytest.mark.parametrize("kind, message", [
     ("size", "must match"), ("values", r"values \[21\] outside \[0, 20\]"),
-    ("image", "cannot read image"), ("rgb_mask", "single-channel index PNG"),
+    ("image", "cannot read image"), ("rgb_mask", "single-channel index PNG"), ("truncated", "truncated JPEG"),
 ])
 def test_bad_samples_raise_naming_the_file_or_are_skipped(voc_root, kind, message, caplog):
     root, masks = voc_root

@@ -10,7 +10,6 @@ from engine.checkpoint import (
     load_checkpoint,
     load_inference_model,
     load_model_weights,
-    resolve_training_config,
     save_checkpoint,
 )
 from engine.config import Config, ModelConfig
@@ -151,23 +150,3 @@ def test_load_inference_model_rebuilds_the_model_with_its_weights_in_eval_mode(t
         assert torch.equal(loaded.model.state_dict()[key], value), key
     with pytest.raises(ValueError, match="best.pt.*trained as.*model.head_channels=8.*asks for.*model.head_channels=16"):
         load_inference_model(path, device=torch.device("cpu"), overrides=["model.head_channels=16"])
-
-
-def test_resolve_training_config_fresh_auto_and_path(tmp_path):
-    with pytest.raises(ValueError, match="--config is required"):
-        resolve_training_config(None, "auto", [])
-    config, payload = resolve_training_config("demo.yaml", "auto", [f"output_dir={tmp_path}"])
-    assert payload is None and config.run_dir == tmp_path  # nothing to resume yet: a fresh start
-    path = tmp_path / "last.pt"
-    saved = load_config("demo.yaml", [f"output_dir={tmp_path}", "train.iters=9"])
-    save_checkpoint(path, {"format_version": FORMAT_VERSION, "model": {}, "config": to_dict(saved), "classes": [],
-                           "iteration": 4, "epoch": 0, "best_miou": -1.0, "optimizer": {}, "scheduler": {},
-                           "scaler": {}, "rng": {}})
-    config, payload = resolve_training_config("demo.yaml", "auto", [f"output_dir={tmp_path}", "train.iters=20"])
-    assert payload["iteration"] == 4 and config.train.iters == 20  # the overrides apply on top of the saved config
-    config, payload = resolve_training_config(None, str(path), [])
-    assert config.train.iters == 9 and payload["iteration"] == 4
-    save_checkpoint(tmp_path / "weights_only.pt", {"format_version": FORMAT_VERSION, "model": {},
-                                                   "config": to_dict(saved), "classes": []})
-    with pytest.raises(ValueError, match="weights_only.pt.*lacks required key.*iteration"):
-        resolve_training_config(None, str(tmp_path / "weights_only.pt"), [])

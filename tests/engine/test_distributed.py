@@ -1,6 +1,8 @@
 """Device selection: --gpus parsing and errors, CPU fallback, torchrun environment handling."""
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from engine.distributed import DistInfo, parse_gpus, setup_distributed
 
 @pytest.fixture(autouse=True)
 def _no_torchrun_env(monkeypatch):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -83,10 +85,38 @@ def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: calls.append(kw))
-    info = setup_distributed(None)
-    assert calls == [{"backend": "gloo", "rank": 1, "world_size": 2}]
+    info = setup_distributed(None, timeout_s=20)
+    assert calls == [{"backend": "gloo", "init_method": "env://", "rank": 1, "world_size": 2,
+                      "timeout": datetime.timedelta(seconds=20)}]
     assert info.mode == "ddp" and info.rank == 1 and info.world_size == 2 and not info.is_main
-    assert info.device == torch.device("cpu") and info.num_replicas == 2
+    assert info.device == torch.device("cpu") and info.num_replicas == 2 and info.launch.launcher == "torchrun"
+
+
+def test_slurm_tasks_get_ranks_and_a_rendezvous_address_from_slurm():
+    environ = {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4",
+               "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_NUM_NODES": "2",
+               "SLURM_JOB_ID": "123456"}
+    launch = distributed.detect_launch(environ)
+    assert (launch.launcher, launch.rank, launch.world_size, launch.local_rank) == ("slurm", 3, 4, 1)
+    assert launch.num_nodes == 2 and launch.local_world_size == 2
+    assert launch.init_method == "tcp://gpu07:23456"  # first node; a port of the job's own
+    assert distributed.detect_launch({**environ, "MASTER_ADDR": "head", "MASTER_PORT": "29400"}).init_method == \
+        "tcp://head:29400"
+    # a python process in an sbatch script (no srun step) or a one-task step is one process
+    assert distributed.detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}).launcher == "none"
+    assert distributed.detect_launch({**environ, "SLURM_STEP_NUM_TASKS": "1"}).world_size == 1
+    with pytest.raises(ValueError, match="SLURM_NODELIST is not set.*srun torchrun"):
+        distributed.detect_launch({k: v for k, v in environ.items() if k != "SLURM_STEP_NODELIST"})
+    # torchrun's variables win (srun torchrun ...)
+    assert distributed.detect_launch({**environ, "WORLD_SIZE": "2", "RANK": "0",
+                                      "TORCHELASTIC_RUN_ID": "x"}).launcher == "torchrun"
+
+
+@pytest.mark.parametrize("hostlist,hosts", [("node1", ["node1"]), ("gpu[01-03,7],login2", ["gpu01", "gpu02", "gpu03",
+                                                                                           "gpu7", "login2"]),
+                                           ("a[8-10]", ["a8", "a9", "a10"])])
+def test_expand_hostlist(hostlist, hosts):
+    assert distributed.expand_hostlist(hostlist) == hosts
 
 
 def test_inference_device_parses_and_checks_the_device(monkeypatch):

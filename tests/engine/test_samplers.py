@@ -10,16 +10,17 @@ from engine.samplers import (
     ShardSampler,
     build_eval_loader,
     build_train_loader,
+    split_batch,
     train_batches,
 )
 
 
 def test_sampler_shards_the_single_process_global_batches():
-    single = ResumableBatchSampler(50, batch_size=8, seed=3)
+    single = ResumableBatchSampler(50, global_batch=8, seed=3)
     single.set_epoch(2)
     shards = []
     for rank in range(2):
-        sampler = ResumableBatchSampler(50, batch_size=4, seed=3, rank=rank, world_size=2)
+        sampler = ResumableBatchSampler(50, global_batch=8, seed=3, rank=rank, world_size=2)
         sampler.set_epoch(2)
         shards.append(list(sampler))
     expected = list(single)
@@ -29,7 +30,7 @@ def test_sampler_shards_the_single_process_global_batches():
 
 
 def test_sampler_epochs_differ_cover_distinct_samples_and_resume_skips():
-    sampler = ResumableBatchSampler(40, batch_size=4, seed=0)
+    sampler = ResumableBatchSampler(40, global_batch=4, seed=0)
     sampler.set_epoch(0)
     epoch0 = list(sampler)
     sampler.set_epoch(1)
@@ -39,16 +40,37 @@ def test_sampler_epochs_differ_cover_distinct_samples_and_resume_skips():
     assert sorted(indices) == list(range(40))
     sampler.set_epoch(0, start_batch=3)
     assert list(sampler) == epoch0[3:] and len(sampler) == len(epoch0) - 3
-    again = ResumableBatchSampler(40, batch_size=4, seed=0)
+    again = ResumableBatchSampler(40, global_batch=4, seed=0)
     again.set_epoch(1)
     assert list(again) == epoch1
-    other_seed = ResumableBatchSampler(40, batch_size=4, seed=1)
+    other_seed = ResumableBatchSampler(40, global_batch=4, seed=1)
     assert list(other_seed) != epoch0
+
+
+@pytest.mark.parametrize("world", [3, 5, 8])
+def test_any_world_size_splits_the_same_global_batches_as_evenly_as_possible(world):
+    single = ResumableBatchSampler(50, global_batch=8, seed=3)
+    single.set_epoch(1, start_batch=2)
+    shards = []
+    for rank in range(world):
+        sampler = ResumableBatchSampler(50, global_batch=8, seed=3, rank=rank, world_size=world)
+        sampler.set_epoch(1, start_batch=2)
+        shards.append(list(sampler))
+    assert [len(shard[0]) for shard in shards] == split_batch(8, world)
+    assert max(split_batch(8, world)) - min(split_batch(8, world)) <= 1 and sum(split_batch(8, world)) == 8
+    for step, batch in enumerate(single):
+        assert sum((shard[step] for shard in shards), []) == batch
+    assert split_batch(8, 3) == [3, 3, 2]
+
+
+def test_sampler_rejects_more_processes_than_samples_per_step():
+    with pytest.raises(ValueError, match="train.batch_size=2 is smaller than the 3 processes"):
+        ResumableBatchSampler(30, global_batch=2, seed=0, world_size=3)
 
 
 def test_sampler_rejects_dataset_smaller_than_global_batch():
     with pytest.raises(ValueError, match="train.batch_size"):
-        ResumableBatchSampler(3, batch_size=2, seed=0, world_size=2)
+        ResumableBatchSampler(3, global_batch=4, seed=0, world_size=2)
 
 
 @pytest.mark.parametrize("count,world", [(5, 2), (7, 3), (2, 4)])
@@ -62,7 +84,7 @@ def test_shard_sampler_is_a_disjoint_cover_without_padding(count, world):
 
 def test_loaders_do_not_draw_on_the_global_rng():
     """A validation pass (or a new epoch) in the middle of training must not shift its random stream."""
-    sampler = ResumableBatchSampler(8, batch_size=2, seed=0)
+    sampler = ResumableBatchSampler(8, global_batch=2, seed=0)
     loaders = [build_train_loader(list(zip(range(8), range(8))), sampler, num_workers=0, pin_memory=False, seed=0),
                build_eval_loader(list(range(5)), batch_size=2)]
     for loader in loaders:
@@ -74,7 +96,7 @@ def test_loaders_do_not_draw_on_the_global_rng():
 
 
 def test_train_batches_resume_at_any_iteration_across_epochs():
-    sampler = ResumableBatchSampler(10, batch_size=4, seed=2)  # 2 batches per epoch
+    sampler = ResumableBatchSampler(10, global_batch=4, seed=2)  # 2 batches per epoch
     loader = build_train_loader(_Indexed(), sampler, num_workers=0, pin_memory=False, seed=0)
     straight = [batch.tolist() for _, batch in zip(range(5), train_batches(loader, 0))]
     assert straight[0] != straight[2]  # a new epoch draws a new order

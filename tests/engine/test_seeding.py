@@ -49,7 +49,7 @@ def test_seeded_dataset_is_a_function_of_index_and_seed_and_leaves_global_rng_al
 
 
 def test_seeded_loading_is_independent_of_worker_count():
-    sampler = ResumableBatchSampler(10, batch_size=2, seed=5)
+    sampler = ResumableBatchSampler(10, global_batch=2, seed=5)
     results = []
     for workers in (0, 2):
         loader = DataLoader(SeededDataset(_RandomDataset()), batch_sampler=sampler, num_workers=workers)

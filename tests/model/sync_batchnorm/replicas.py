@@ -20,11 +20,13 @@ def make_replicas(module: nn.Module, count: int) -> list[nn.Module]:
     return [copy.deepcopy(module) for _ in range(count)]
 
 
-def run_replicas(replicas: Sequence[nn.Module], inputs: Sequence, *, join_timeout: float = 60.0, call=None) -> list:
+def run_replicas(replicas: Sequence[nn.Module], inputs: Sequence, *, join_timeout: float = 60.0, call=None,
+                 guard: bool = True) -> list:
     """One DataParallel-style step: callbacks, then every replica on its input in its own thread.
 
     Raises the first replica's exception (in replica order) like parallel_apply; raises
-    AssertionError if a thread is still running after `join_timeout` seconds (a hang).
+    AssertionError if a thread is still running after `join_timeout` seconds (a hang). `guard=False`
+    leaves out DataParallelWithCallback's abort-on-failure, to test what the layers do by themselves.
     """
     replicas = list(replicas)
     execute_replication_callbacks(replicas)
@@ -38,8 +40,8 @@ def run_replicas(replicas: Sequence[nn.Module], inputs: Sequence, *, join_timeou
             arguments = inputs[index] if isinstance(inputs[index], tuple) else (inputs[index],)
             results[index] = call(replica, index, *arguments) if call else replica(*arguments)
         except BaseException as error:  # noqa: BLE001 - re-raised below, like parallel_apply
-            # the same guard as DataParallelWithCallback.parallel_apply (AbortingReplica)
-            abort_synchronization(replicas[0], error)
+            if guard:  # the same guard as DataParallelWithCallback.parallel_apply (AbortingReplica)
+                abort_synchronization(replicas[0], error)
             results[index] = error
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(inputs))]

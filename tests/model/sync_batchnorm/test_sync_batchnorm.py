@@ -4,9 +4,12 @@ Thread replicas run on CPU through the real replication callbacks (see replicas.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
+import queue
+import threading
 import time
 
 import pytest
@@ -15,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.sync_batchnorm import (
+    FutureResult,
+    SlavePipe,
+    execute_replication_callbacks,
     DataParallelWithCallback,
     SyncAbortedError,
     SynchronizedBatchNorm1d,
@@ -401,6 +407,48 @@ def test_timeout_bounds_the_wait_when_a_replica_never_arrives():
     with pytest.raises(TimeoutError):
         replicas[0](torch.randn(2, 3, 2, 2))  # the master alone: its slave never comes
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("bad_copy", [0, 1, 3])
+def test_a_layer_error_in_one_thread_replica_aborts_the_round_for_the_others(bad_copy):
+    """Without DataParallelWithCallback's guard: the layer itself fails the rendezvous."""
+    sync = SynchronizedBatchNorm2d(3)
+    sync.sync_timeout = 120.0
+    replicas = make_replicas(sync, 4)
+    inputs = [torch.randn(2, 3, 4, 4) for _ in range(4)]
+    inputs[bad_copy] = torch.randn(2, 5, 4, 4)  # wrong channel count
+    start = time.monotonic()
+    with pytest.raises((ValueError, SyncAbortedError)) as error:
+        run_replicas(replicas, inputs, join_timeout=30, guard=False)
+    assert time.monotonic() - start < 10
+    assert "expected 3 channels" in str(error.value) or "expected 3 channels" in str(error.value.__cause__)
+
+
+def test_the_round_timeout_bounds_the_whole_wait_not_each_message():
+    sync = SynchronizedBatchNorm2d(3)
+    sync.sync_timeout = 1.0
+    replicas = make_replicas(sync, 3)
+    execute_replication_callbacks(replicas)
+    def arrive_late():
+        time.sleep(0.7)
+        with contextlib.suppress(SyncAbortedError, TimeoutError):  # the master gave up on this round
+            replicas[1](torch.randn(2, 3, 2, 2))
+
+    late = threading.Thread(target=arrive_late, daemon=True)
+    late.start()  # one slave comes late, the other never: the master gives up 1 s after it started
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="only 1 arrived"):
+        replicas[0](torch.randn(2, 3, 2, 2))
+    assert time.monotonic() - start < 1.6
+    late.join(5)
+
+
+def test_slave_pipe_keeps_the_original_call_shape():
+    future = FutureResult()
+    pipe = SlavePipe(1, queue.Queue(), future)
+    assert pipe.timeout > 0
+    future.put("result")
+    assert pipe.run_slave("message") == "result" and pipe.queue.get_nowait() == (1, "message")
 
 
 def test_fewer_replicas_than_previous_step():
