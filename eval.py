@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -190,11 +189,12 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dist_info = None
-    try:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from engine.distributed import setup_distributed
+    from engine.distributed import detect_launch, setup_distributed
 
-            dist_info = setup_distributed(None)
+    try:
+        launch = detect_launch()  # torchrun or srun: each process evaluates its own shard
+        if launch.world_size > 1:
+            dist_info = setup_distributed(None, launch=launch)
     except ValueError as error:
         print(f"eval.py: error: {error}", file=sys.stderr)
         return 2
@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"eval.py: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("eval.py: interrupted", file=sys.stderr)
+        return 130
     finally:
         if dist_info is not None:
             from engine.distributed import cleanup
