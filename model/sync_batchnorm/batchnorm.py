@@ -5,208 +5,25 @@ by all replicas of `DataParallelWithCallback` (threads, any devices, CPU include
 an initialized `torch.distributed` group (NCCL or gloo). With neither, it is plain `F.batch_norm`, bit
 for bit `nn.BatchNorm*d`. In eval mode it uses the running statistics like nn.BatchNorm.
 
-How the synchronized path is built (one graph, any topology):
-
-    x_i --LocalStats_i--> (mean_i, M2_i) --\
-    x_j --LocalStats_j--> (mean_j, M2_j) ---CombineStats--> (mean, var) per replica --Normalize_i--> y_i
-
-* LocalStats computes per-channel (mean, M2) of its replica in float32 (float64 for float64 input).
-* CombineStats (one node shared by all thread replicas) merges them count-weighted with Chan's formula
-  (stable for large means, exact for uneven batches) and, under torch.distributed, all-gathers the
-  per-process result and merges again.
-* Normalize is an eval-mode `F.batch_norm` with the global mean/var, so eps enters exactly as in
-  nn.BatchNorm. It saves only its input and the per-channel statistics.
-
-Backward needs one global reduction of [sum(dy), sum(dy * x_hat)] per channel. Normalize_i computes
-its replica's part and sends it "down" to CombineStats as the gradient of its statistics input;
-CombineStats' backward adds the replicas' parts (and all-reduces across processes); LocalStats_i's
-backward receives the global sums and forms the input gradient in two elementwise passes from its
-saved input (the same storage Normalize saves) and the grad_output that Normalize_i hands over through
-a per-forward `_BackwardHandoff`. Because the reduction is a node of the graph all replicas share, it
-also works where autograd runs the backward of all replicas in a single thread (CPU), where a
-rendezvous between threads would deadlock.
-The "gradients" exchanged between these three internal nodes are those packed sums, not true
-gradients of the statistics; the input, weight and bias gradients are exact (tested with gradcheck).
-Double backward is not supported on the synchronized path.
+The autograd graph of the synchronized path (one graph for every topology) is in functions.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd import Function
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .comm import SyncMaster
+from .functions import BackwardHandoff, CombineMeta, CombineStats, LocalStats, Normalize, StatsMessage
 
 __all__ = [
     "SynchronizedBatchNorm1d",
     "SynchronizedBatchNorm2d",
     "SynchronizedBatchNorm3d",
 ]
-
-
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Statistics are float64 for float64 input, float32 otherwise (float16/bfloat16 included)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _channel_view(per_channel: torch.Tensor, ndim: int) -> torch.Tensor:
-    return per_channel.view(1, -1, *([1] * (ndim - 2)))
-
-
-def _batch_mean_var(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and biased variance in the statistics dtype, without upcasting the input.
-
-    ATen's batch_norm_update_stats is the statistics half of the built-in BatchNorm kernel (two-pass,
-    vectorized, channels_last aware; several times faster than var_mean over dims (0, 2, 3) on CPU).
-    Given float32 running buffers it accumulates float16/bfloat16 input in float32; the buffers here
-    are scratch (momentum 0).
-    """
-    stats_dtype = _stats_dtype(input.dtype)
-    scratch_mean = scratch_var = None
-    if input.dtype != stats_dtype:
-        scratch_mean = torch.zeros(input.size(1), dtype=stats_dtype, device=input.device)
-        scratch_var = torch.ones_like(scratch_mean)
-    mean, var = torch.ops.aten.batch_norm_update_stats(input, scratch_mean, scratch_var, 0.0)
-    return mean.to(stats_dtype), var.to(stats_dtype)
-
-
-class _BackwardHandoff:
-    """Per replica and forward: what LocalStats' backward needs besides its saved input.
-
-    Only detached per-channel tensors and Normalize's grad_output (for the duration of one backward)
-    live here, so it holds no reference to graph nodes (no reference cycles, nothing kept alive).
-    """
-
-    __slots__ = ("local_count", "total_count", "mean", "invstd", "weight", "grad_output")
-
-    def __init__(self) -> None:
-        self.local_count = 0
-        self.total_count = 0
-        self.mean = self.invstd = self.weight = self.grad_output = None
-
-
-@dataclass
-class _StatsMessage:
-    count: int  # values per channel in this replica
-    stats: torch.Tensor  # (2, C): mean, M2 of this replica, in the statistics dtype
-
-
-@dataclass
-class _CombineMeta:
-    group: Any  # torch.distributed group to merge across, or None
-    total_count: int = 0  # filled by CombineStats.forward
-
-
-def _merge(counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Chan's parallel merge of (count, mean, M2) rows: counts (k,), means/m2s (k, C)."""
-    total = counts.sum()
-    weights = (counts / total).unsqueeze(1)
-    mean = (weights * means).sum(0)
-    m2 = m2s.sum(0) + (counts.unsqueeze(1) * (means - mean).square()).sum(0)
-    return total, mean, m2
-
-
-class _LocalStats(Function):
-    @staticmethod
-    def forward(ctx, input: torch.Tensor, handoff: _BackwardHandoff) -> torch.Tensor:
-        count = input.numel() // input.size(1)
-        if count == 0:  # an empty replica contributes nothing (its weight in the merge is 0)
-            mean = input.new_zeros(input.size(1), dtype=_stats_dtype(input.dtype))
-            var = torch.zeros_like(mean)
-        else:
-            mean, var = _batch_mean_var(input)
-        handoff.local_count = count
-        # The same tensor Normalize saves: one storage, kept once.
-        ctx.save_for_backward(input)
-        ctx.handoff = handoff
-        return torch.stack([mean, var * count])
-
-    @staticmethod
-    def backward(ctx, global_sums: torch.Tensor):
-        handoff = ctx.handoff
-        try:
-            (x,) = ctx.saved_tensors
-            sum_dy, sum_dy_xhat = global_sums[0], global_sums[1]
-            mean, invstd, count = handoff.mean, handoff.invstd, handoff.total_count
-            scale = handoff.weight * invstd  # dy coefficient: gamma / sigma
-            xhat_coef = invstd * sum_dy_xhat / count
-            x_coef = -scale * xhat_coef
-            constant = -scale * sum_dy / count + scale * xhat_coef * mean
-            # x * x_coef + constant in one fused pass (an eval-mode batch_norm is a per-channel affine map).
-            grad_input = F.batch_norm(x, torch.zeros_like(mean), torch.ones_like(mean), x_coef, constant,
-                                      False, 0.0, 0.0)
-            if handoff.grad_output is not None:  # None when this replica's output did not reach the loss
-                grad_input.addcmul_(handoff.grad_output, _channel_view(scale, x.dim()))
-            return grad_input, None
-        finally:
-            handoff.grad_output = None
-
-
-class _CombineStats(Function):
-    @staticmethod
-    def forward(ctx, meta: _CombineMeta, counts: tuple[int, ...], *local_stats: torch.Tensor):
-        devices = [stats.device for stats in local_stats]
-        master = devices[0]
-        stacked = torch.stack([stats.to(master) for stats in local_stats])  # (k, 2, C)
-        count_rows = torch.tensor(counts, dtype=torch.float64, device=master)
-        total, mean, m2 = _merge(count_rows, stacked[:, 0].double(), stacked[:, 1].double())
-        if meta.group is not None:
-            row = torch.cat([total.view(1), mean, m2])
-            rows = [torch.empty_like(row) for _ in range(dist.get_world_size(meta.group))]
-            dist.all_gather(rows, row, group=meta.group)
-            gathered = torch.stack(rows)
-            channels = mean.numel()
-            total, mean, m2 = _merge(gathered[:, 0], gathered[:, 1 : 1 + channels], gathered[:, 1 + channels :])
-        # Host-side sum for thread replicas avoids a device sync; the gathered count needs one.
-        meta.total_count = sum(counts) if meta.group is None else int(round(total.item()))
-        result = torch.stack([mean, m2 / total]).to(stacked.dtype)  # (2, C): mean, biased var
-        ctx.devices = devices
-        ctx.group = meta.group
-        return tuple(result.to(device, copy=True) for device in devices)
-
-    @staticmethod
-    def backward(ctx, *partial_sums: torch.Tensor):
-        master = ctx.devices[0]
-        total = partial_sums[0].to(master, copy=True)
-        for part in partial_sums[1:]:
-            total += part.to(master)
-        if ctx.group is not None:
-            dist.all_reduce(total, group=ctx.group)
-        return (None, None, *(total.to(device) for device in ctx.devices))
-
-
-class _Normalize(Function):
-    @staticmethod
-    def forward(ctx, input, global_stats, weight, bias, handoff: _BackwardHandoff, eps: float):
-        mean, var = global_stats[0], global_stats[1]
-        output = F.batch_norm(input, mean, var, weight, bias, False, 0.0, eps)
-        ctx.save_for_backward(input, weight, mean, var)
-        ctx.handoff = handoff
-        ctx.eps = eps
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input, weight, mean, var = ctx.saved_tensors
-        invstd = torch.rsqrt(var + ctx.eps)
-        gamma = weight if weight is not None else torch.ones_like(mean)
-        # One fused pass: sum(dy * x_hat) and sum(dy) per channel, with the *global* mean/invstd.
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            grad_output, input, gamma, None, None, mean, invstd, True, ctx.eps, [False, True, True]
-        )
-        grad_stats = None
-        if ctx.needs_input_grad[1]:
-            ctx.handoff.grad_output = grad_output
-            grad_stats = torch.stack([sum_dy, sum_dy_xhat]).to(mean.dtype)
-        grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[2] else None
-        grad_bias = sum_dy.to(ctx.bias_dtype) if ctx.needs_input_grad[3] else None
-        return None, grad_stats, grad_weight, grad_bias, None, None
 
 
 class _SynchronizedBatchNorm(_BatchNorm):
@@ -280,7 +97,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         return group if dist.get_world_size(group) > 1 else None
 
-    def _thread_exchange(self) -> Callable[[_StatsMessage], Any] | None:
+    def _thread_exchange(self) -> Callable[[StatsMessage], Any] | None:
         if not self._is_parallel:
             return None
         if self._slave_pipe is not None:
@@ -329,27 +146,29 @@ class _SynchronizedBatchNorm(_BatchNorm):
     def _forward_synchronized(
         self,
         input: torch.Tensor,
-        exchange: Callable[[_StatsMessage], Any] | None,
+        exchange: Callable[[StatsMessage], Any] | None,
         average_factor: float,
         running_mean: torch.Tensor | None,
         running_var: torch.Tensor | None,
     ) -> torch.Tensor:
         """Normalize with statistics merged through `exchange` (None: this replica alone, plus any
         torch.distributed group). Updates running statistics in place with the global values."""
-        handoff = _BackwardHandoff()
+        handoff = BackwardHandoff()
         with torch.autocast(device_type=input.device.type, enabled=False):
-            local = _LocalStats.apply(input, handoff)
-            message = _StatsMessage(handoff.local_count, local)
+            local = LocalStats.apply(input, handoff)
+            message = StatsMessage(handoff.local_count, local)
             if exchange is None:
                 global_stats, total_count = self._data_parallel_master([(0, message)])[0][1]
             else:
                 global_stats, total_count = exchange(message)
+            if isinstance(total_count, torch.Tensor):
+                total_count = total_count.to(input.device)  # a device-to-device copy at most, no host sync
             handoff.total_count = total_count
             stats = global_stats.detach()
             handoff.mean = stats[0]
             handoff.invstd = torch.rsqrt(stats[1] + self.eps)
             handoff.weight = self.weight.detach().to(stats.dtype) if self.weight is not None else torch.ones_like(stats[0])
-            output = _Normalize.apply(input, global_stats, self.weight, self.bias, handoff, self.eps)
+            output = Normalize.apply(input, global_stats, self.weight, self.bias, handoff, self.eps)
         if running_mean is not None and running_var is not None:
             with torch.no_grad():
                 mean, var = global_stats[0].detach(), global_stats[1].detach()
@@ -358,16 +177,19 @@ class _SynchronizedBatchNorm(_BatchNorm):
                 running_var.mul_(1 - average_factor).add_(unbiased.to(running_var.dtype), alpha=average_factor)
         return output
 
-    def _data_parallel_master(self, intermediates: list[tuple[int, _StatsMessage]]) -> list[tuple[int, Any]]:
+    def _data_parallel_master(self, intermediates: list[tuple[int, StatsMessage]]) -> list[tuple[int, Any]]:
         """Merge every replica's statistics (runs once per step, in the master replica's thread)."""
-        meta = _CombineMeta(group=self._distributed_group())
+        meta = CombineMeta(group=self._distributed_group())
         counts = tuple(message.count for _, message in intermediates)
-        outputs = _CombineStats.apply(meta, counts, *(message.stats for _, message in intermediates))
+        outputs = CombineStats.apply(meta, counts, *(message.stats for _, message in intermediates))
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
-        if meta.total_count <= 1:
+        # More than one value here means more than one in total: only a process holding at most one
+        # value per channel needs the global count (a host sync, in this rare case only).
+        if meta.local_count <= 1 and (meta.group is None or int(round(float(meta.total_count))) <= 1):
+            total = meta.total_count if meta.group is None else int(round(float(meta.total_count)))
             raise ValueError(
-                f"Expected more than 1 value per channel when training, got {meta.total_count} in total "
+                f"Expected more than 1 value per channel when training, got {total} in total "
                 f"over {len(intermediates)} replica(s)"
                 + (" and all processes" if meta.group is not None else "")
             )

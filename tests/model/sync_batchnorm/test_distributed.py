@@ -1,8 +1,9 @@
 """Two gloo processes on CPU: per-rank batches 3 and 5 equal nn.BatchNorm2d on the batch of 8."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
-
 import socket
 import time
 from pathlib import Path
@@ -45,6 +46,28 @@ def initial_layer(dtype=torch.float64, cls=SynchronizedBatchNorm2d) -> nn.Module
     return layer
 
 
+@contextlib.contextmanager
+def _forbid_host_reads():
+    """Make every Tensor -> Python read raise (on CUDA each would wait for the device queue)."""
+    names = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    calls: list[str] = []
+
+    def guard(name):
+        def read(self, *args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"Tensor.{name} called on the synchronized path")
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, guard(name))
+    try:
+        yield calls
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
@@ -67,6 +90,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 layer.weight.sub_(LEARNING_RATE * grads[0])
                 layer.bias.sub_(LEARNING_RATE * grads[1])
                 layer.weight.grad = layer.bias.grad = None
+        x, upstream = global_batch(STEPS)
+        chunk = x[start:start + SPLITS[rank]].clone().requires_grad_()
+        probe = copy.deepcopy(layer)  # the reference comparison below reads `layer`'s running statistics
+        with _forbid_host_reads() as host_reads:
+            with contextlib.suppress(AssertionError):
+                probe(chunk).backward(upstream[start:start + SPLITS[rank]])
+        results["host_reads"] = host_reads
         results["running_mean"] = layer.running_mean.clone()
         results["running_var"] = layer.running_var.clone()
         results["num_batches_tracked"] = layer.num_batches_tracked.clone()
@@ -131,6 +161,7 @@ def test_two_gloo_ranks_equal_single_process_batchnorm(tmp_path):
         torch.testing.assert_close(r["running_mean"], reference.running_mean, **tol)
         torch.testing.assert_close(r["running_var"], reference.running_var, **tol)
         assert int(r["num_batches_tracked"]) == STEPS
+        assert r["host_reads"] == []  # forward and backward read nothing back to the host
 
     large = torch.cat([r["large_mean_output"] for r in results])
     std = large.transpose(0, 1).reshape(CHANNELS, -1).std(1)
