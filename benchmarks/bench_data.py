@@ -7,7 +7,8 @@ times, interleaved over several rounds (one pass over all pairs per variant per 
   train_photo   the same plus photometric jitter / blur
   pil_mask / cv2_mask    mask decoders alone (PIL keeps palette indices; cv2 needs an 'L' PNG)
   synthetic_96  generating one 96x96 synthetic-shapes sample (the demo's data; target well under 2 ms)
-Reports median ms/image, images/s and the median of per-round ratios to decode_only.
+Reports median ms/image, images/s and the median of per-round ratios to decode_only, beside the A/A
+control decode_only_copy / decode_only (a verdict needs it within 1.02; benchmarks/common.py).
 Target (issue 5): train <= 2.0x decode_only.
 
     python -m benchmarks.bench_data [--images 32] [--rounds 7] [--crop 513] [--output PATH]
@@ -15,13 +16,9 @@ Target (issue 5): train <= 2.0x decode_only.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import cv2
@@ -29,6 +26,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, time_interleaved
+from benchmarks.common import write_record
 from data.base import palette_image, read_image, read_index_mask
 from data.synthetic import SyntheticShapes, render_shapes
 from data.transforms import PairTransform, build_train_augmentation
@@ -55,12 +54,13 @@ def make_pairs(root: Path, count: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stable_allocator("benchmarks.bench_data", sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--crop", type=int, default=513)
     parser.add_argument("--threads", type=int, default=1, help="cv2 / torch threads (a DataLoader worker uses 1)")
-    parser.add_argument("--output", default="benchmarks/results/bench_data.json")
+    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_data.json)")
     args = parser.parse_args(argv)
     cv2.setNumThreads(args.threads)
     torch.set_num_threads(args.threads)
@@ -85,23 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         synthetic = SyntheticShapes(len(names), 96, split="bench", cache_bytes=0)  # time rendering, not the cache
         variants = {
             "decode_only": decode_only,
+            "decode_only_copy": decode_only,
             "train": lambda: [train[i] for i in range(len(train))],
             "train_photo": lambda: [photo[i] for i in range(len(photo))],
             "pil_mask": lambda: [read_index_mask(p) for p in pngs],
             "cv2_mask": lambda: [cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in l_pngs],
             "synthetic_96": lambda: [synthetic.load(i) for i in range(len(synthetic))],
         }
-        for run in variants.values():  # warm-up: page cache, lazy imports
-            run()
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        order = list(variants)
-        shuffler = random.Random(0)
-        for _ in range(args.rounds):
-            shuffler.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                variants[name]()
-                times[name].append((time.perf_counter() - start) / len(names))
+        times = time_interleaved(variants, args.rounds)  # seconds per pass over all pairs
+        times = {name: [value / len(names) for value in values] for name, values in times.items()}
 
     rows = []
     for name, values in times.items():
@@ -118,16 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['variant']:<13} {row['ms_per_image']:>9.2f} {row['images_per_s']:>9.1f} "
               f"{row['ratio_to_decode_only']:>9.2f}")
-    train_ratio = next(r["ratio_to_decode_only"] for r in rows if r["variant"] == "train")
-    print(f"train / decode_only = {train_ratio:.2f} (target <= 2.0): {'PASS' if train_ratio <= 2.0 else 'MISS'}")
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({
+    targets = [judge("data train/decode_only", paired(times["train"], times["decode_only"]), target=2.0,
+                     control=paired(times["decode_only_copy"], times["decode_only"]))]
+    print_targets(targets)
+    write_record("bench_data", args.output, {
         "rows": rows, "raw_seconds_per_image": times, "images": args.images, "rounds": args.rounds,
-        "crop": args.crop, "threads": args.threads, "python": platform.python_version(),
-        "torch": torch.__version__, "opencv": cv2.__version__, "machine": platform.machine(),
-    }, indent=2))
-    print(f"wrote {output}")
+        "crop": args.crop, "threads": args.threads, "opencv": cv2.__version__,
+        "environment": environment(), "targets": targets,
+    })
     return 0
 
 

@@ -9,26 +9,29 @@ interleaved over several rounds:
 All variants must produce the same matrix (checked). Target (issue 4): ours_int64 >= 3x numpy_bincount.
 
 Inference: engine.inference.predict with a small DeepLabV3+ / ResNet-18, mode whole vs slide (and
-slide + flip), images/s.
+slide + flip), images/s. Target (issue 13): slide / whole <= 1.15 at equal pixels, i.e. the time per
+window pixel of sliding-window inference against the time per pixel of whole-image inference (the
+windows overlap, so they cover more pixels than the image).
+
+Each comparison runs beside an A/A control (numpy_bincount_copy, whole_copy); a verdict needs it within
+1.02 (benchmarks/common.py).
 
     python -m benchmarks.bench_eval [--rounds 7] [--threads 1] [--device cpu|cuda] [--output PATH]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, time_interleaved
+from benchmarks.common import write_record
 from engine.config import ModelConfig
-from engine.inference import predict
+from engine.inference import predict, window_starts
 from engine.metrics import ConfusionMatrix
 from model.builder import build_model
 
@@ -45,14 +48,8 @@ def torch_masked(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> 
         num_classes, num_classes)
 
 
-def _time(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+def _synchronizer(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def bench_confusion(rounds: int, device: torch.device) -> dict:
@@ -77,6 +74,7 @@ def bench_confusion(rounds: int, device: torch.device) -> dict:
         "ours_int64": ours(target_d),
         "ours_uint8": ours(target_u8),
         "numpy_bincount": lambda: numpy_bincount(pred_np, target_np, num_classes),
+        "numpy_bincount_copy": lambda: numpy_bincount(pred_np, target_np, num_classes),
         "torch_masked": lambda: torch_masked(pred_d, target_d, num_classes),
     }
     for name, fn in variants.items():  # warm-up + correctness
@@ -86,10 +84,7 @@ def bench_confusion(rounds: int, device: torch.device) -> dict:
             raise AssertionError(f"{name} disagrees with numpy_bincount")
     if not np.array_equal(torch_masked(pred_d, target_d, num_classes).cpu().numpy(), reference):
         raise AssertionError("torch_masked disagrees with numpy_bincount")
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            times[name].append(_time(fn, device))
+    times = time_interleaved(variants, rounds, before=_synchronizer(device), after=_synchronizer(device), warmup=0)
     base = times["numpy_bincount"]
     rows = {}
     for name, values in times.items():
@@ -97,7 +92,9 @@ def bench_confusion(rounds: int, device: torch.device) -> dict:
             "median_ms": 1000 * statistics.median(values),
             "speedup_vs_numpy": statistics.median(b / v for b, v in zip(base, values)),
         }
-    return {"batch": list(shape), "num_classes": num_classes, "rounds": rounds, "variants": rows}
+    target = judge("eval confusion ours speedup vs numpy", paired(base, times["ours_int64"]), target=3.0,
+                   control=paired(times["numpy_bincount_copy"], base), higher_is_better=True)
+    return {"batch": list(shape), "num_classes": num_classes, "rounds": rounds, "variants": rows, "target": target}
 
 
 def bench_inference(rounds: int, device: torch.device, *, height: int, width: int, crop: int, stride: int) -> dict:
@@ -105,18 +102,17 @@ def bench_inference(rounds: int, device: torch.device, *, height: int, width: in
     model_cfg = ModelConfig(backbone="resnet18", head_channels=64, norm="bn", output_stride=16)
     model = build_model(model_cfg, 19).to(device).eval()
     images = torch.randn(1, 3, height, width, device=device)
-    variants = {
+    options = {
         "whole": dict(mode="whole"),
+        "whole_copy": dict(mode="whole"),
         "slide": dict(mode="slide", window_size=crop, stride=stride),
         "slide_flip": dict(mode="slide", window_size=crop, stride=stride, flip=True),
     }
+    variants = {name: (lambda o=o: predict(model, images, num_classes=19, **o)) for name, o in options.items()}
     with torch.inference_mode():
-        for options in variants.values():
-            predict(model, images, num_classes=19, **options)
-        times = {name: [] for name in variants}
-        for _ in range(rounds):
-            for name, options in variants.items():
-                times[name].append(_time(lambda: predict(model, images, num_classes=19, **options), device))
+        times = time_interleaved(variants, rounds, before=_synchronizer(device), after=_synchronizer(device))
+    windows = len(window_starts(height, crop, stride)) * len(window_starts(width, crop, stride))
+    pixel_factor = windows * min(crop, height) * min(crop, width) / (height * width)  # window pixels / image pixels
     base = times["whole"]
     rows = {}
     for name, values in times.items():
@@ -125,13 +121,17 @@ def bench_inference(rounds: int, device: torch.device, *, height: int, width: in
             "images_per_s": 1 / statistics.median(values),
             "time_vs_whole": statistics.median(v / b for b, v in zip(base, values)),
         }
-    return {"image": [height, width], "crop_size": crop, "stride": stride, "model": "deeplabv3plus/resnet18 OS16 "
-            "head 64", "rounds": rounds, "variants": rows}
+    per_pixel = paired([t / pixel_factor for t in times["slide"]], base)
+    target = judge("eval slide/whole at equal pixels", per_pixel, target=1.15, control=paired(times["whole_copy"], base))
+    return {"image": [height, width], "crop_size": crop, "stride": stride, "windows": windows,
+            "window_pixels_per_image_pixel": pixel_factor, "model": "deeplabv3plus/resnet18 OS16 head 64",
+            "rounds": rounds, "variants": rows, "target": target}
 
 
 def main(argv: list[str] | None = None) -> int:
+    stable_allocator("benchmarks.bench_eval", sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, like numpy's single-threaded bincount; 0 = torch's "
                              "default). On a loaded machine more threads than free cores make every parallel op "
@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--crop", type=int, default=256)
     parser.add_argument("--stride", type=int, default=171)
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" / "bench_eval.json"))
+    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_eval.json)")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     confusion = bench_confusion(args.rounds, device)
-    inference = bench_inference(max(3, args.rounds // 2), device, height=args.height, width=args.width,
+    inference = bench_inference(max(5, args.rounds // 2), device, height=args.height, width=args.width,
                                 crop=args.crop, stride=args.stride)
 
     print(f"confusion matrix update, batch {confusion['batch']}, {confusion['num_classes']} classes, "
@@ -162,23 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mode':<16} {'median ms':>10} {'images/s':>9} {'x whole':>9}")
     for name, row in inference["variants"].items():
         print(f"{name:<16} {row['median_ms']:10.1f} {row['images_per_s']:9.2f} {row['time_vs_whole']:9.2f}")
-
-    record = {
-        "benchmark": "bench_eval",
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "cpu_count": os.cpu_count(),
-        "confusion_matrix": confusion,
-        "inference": inference,
-    }
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nwrote {output}")
+    print(f"({inference['windows']} windows cover {inference['window_pixels_per_image_pixel']:.2f}x the image's pixels)")
+    targets = [confusion["target"], inference["target"]]
+    print_targets(targets)
+    write_record("bench_eval", args.output, {
+        "benchmark": "bench_eval", "numpy": np.__version__, "device": str(device),
+        "environment": environment(device=str(device)), "confusion_matrix": confusion, "inference": inference,
+        "targets": targets,
+    })
     return 0
 
 

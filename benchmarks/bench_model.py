@@ -7,7 +7,9 @@ forward + backward, gradients cleared each step):
 - ours: build_model(deeplabv3, resnet50, output stride 8, aux_loss, norm=syncbn), the network we train;
 - ours_bn: the same with norm=bn (isolates the SynchronizedBatchNorm2d overhead on one device);
 - torchvision: torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None,
-  num_classes=21, aux_loss=True).
+  num_classes=21, aux_loss=True);
+- torchvision copy: a second instance of it with the same weights, the A/A control (benchmarks/common.py):
+  the verdict needs torchvision copy / torchvision within 1.02.
 Each repetition runs every variant once, in an order that rotates between repetitions, so machine noise
 hits all alike; reported are the median step times and the medians of the per-repetition ratios to
 torchvision, for wall-clock time and for the process's CPU time (time.process_time: on a shared machine
@@ -19,17 +21,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import platform
 import statistics
+import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torchvision.models.segmentation import deeplabv3_resnet50
 
+from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, write_record
 from engine.config import ModelConfig
 from model.builder import build_model, load_segmentation_weights
 
@@ -40,7 +40,9 @@ TARGET = 1.03
 def make_models(device: torch.device) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     reference = deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=NUM_CLASSES, aux_loss=True)
-    models = {"torchvision": reference}
+    twin = deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=NUM_CLASSES, aux_loss=True)
+    twin.load_state_dict(reference.state_dict())
+    models = {"torchvision": reference, "torchvision copy": twin}
     for name, norm in (("ours", "syncbn"), ("ours_bn", "bn")):
         model = build_model(ModelConfig(arch="deeplabv3", backbone="resnet50", output_stride=8, aux_loss=True,
                                         norm=norm), NUM_CLASSES)
@@ -64,6 +66,7 @@ def training_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
 
 
 def main(argv: list[str] | None = None) -> dict:
+    stable_allocator("benchmarks.bench_model", sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=1)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--size", type=int, default=257)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" / "bench_model.json"))
+    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_model.json)")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -114,36 +117,24 @@ def main(argv: list[str] | None = None) -> dict:
         })
     print(f"\nDeepLabV3-ResNet50 OS8 + aux, training step (forward + backward), batch {args.batch}, "
           f"{args.size}x{args.size}, {device}, {torch.get_num_threads()} threads, {args.repeats} repetitions")
-    print(f"{'variant':<12} {'wall med s':>10} {'wall min s':>10} {'wall ratio':>10} {'cpu med s':>10} {'cpu ratio':>10}")
+    print(f"{'variant':<16} {'wall med s':>10} {'wall min s':>10} {'wall ratio':>10} {'cpu med s':>10} {'cpu ratio':>10}")
     for row in rows:
-        print(f"{row['variant']:<12} {row['wall_median_s']:>10.3f} {row['wall_min_s']:>10.3f} "
+        print(f"{row['variant']:<16} {row['wall_median_s']:>10.3f} {row['wall_min_s']:>10.3f} "
               f"{row['wall_ratio_median']:>10.3f} {row['cpu_median_s']:>10.3f} {row['cpu_ratio_median']:>10.3f}")
-    ours = rows[names.index("ours")]
-    ours_ratio = ours["cpu_ratio_median"] if device.type == "cpu" else ours["wall_ratio_median"]
-    verdict = "meets" if ours_ratio <= TARGET else "misses"
-    print(f"ours / torchvision = {ours_ratio:.3f} ({'cpu' if device.type == 'cpu' else 'wall'} time, median of "
-          f"paired ratios; {verdict} the target <= {TARGET}); wall-clock: {ours['wall_ratio_median']:.3f}")
-
+    clock = cpu_times if device.type == "cpu" else times  # CPU time on a shared CPU, wall time on a GPU
+    figure = paired(clock["ours"], clock["torchvision"])
+    control = paired(clock["torchvision copy"], clock["torchvision"])
+    targets = [judge("model ours/torchvision step", figure, target=TARGET, control=control)]
+    print_targets(targets)
     result = {
         "benchmark": "bench_model",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": vars(args) | {"num_threads": torch.get_num_threads()},
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        },
-        "target_ratio": TARGET,
-        "ours_ratio": ours_ratio,
-        "meets_target": ours_ratio <= TARGET,
+        "environment": environment(device=str(device), clock="process CPU time" if device.type == "cpu" else "wall"),
         "rows": rows,
+        "targets": targets,
     }
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2))
-    print(f"wrote {output}")
+    write_record("bench_model", args.output, result)
     return result
 
 

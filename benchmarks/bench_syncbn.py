@@ -11,9 +11,12 @@ c. 2 gloo ranks (CPU, separate processes): (synchronized layer time - local nn.B
    one all_reduce of 2C values in backward). Target <= 2.
 
 Every variant runs forward + backward with a random upstream gradient. Variants are interleaved
-in each repetition (so machine noise hits them alike); medians of per-repetition ratios are reported.
-Saved bytes count each storage once (the synchronized path saves its input from two graph nodes,
-which is one tensor in memory). The allocator settings in effect are printed and recorded.
+in each repetition (so machine noise hits them alike); medians of per-repetition ratios are reported
+with their spread, beside an A/A control (the denominator against an identical copy of itself): a
+verdict needs the control within 1.02 (benchmarks/common.py). Saved bytes count each storage once
+(the synchronized path saves its input from two graph nodes, which is one tensor in memory). The
+benchmark re-executes itself with the stable allocator setting (BENCH_DEFAULT_ALLOCATOR=1: glibc
+defaults); the setting is printed and recorded.
 """
 from __future__ import annotations
 
@@ -21,10 +24,9 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -33,16 +35,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, summary, time_interleaved
+from benchmarks.common import write_record
 from model.sync_batchnorm import SynchronizedBatchNorm2d
 
 SHAPES = [(8, 64, 128, 128), (4, 256, 65, 65), (16, 512, 33, 33)]
-ALLOCATOR_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",
-                       "PYTORCH_CUDA_ALLOC_CONF")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def saved_bytes(step) -> dict:
@@ -63,11 +60,12 @@ def saved_bytes(step) -> dict:
 
 
 def make_steps(shape, device, dtype):
+    """Forward + backward closures over one input; "... copy" variants are identical twins (A/A controls)."""
     channels = shape[1]
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=generator) * 2 + 1).to(device, dtype).requires_grad_()
     upstream = torch.randn(shape, generator=generator).to(device, dtype)
-    builtin = nn.BatchNorm2d(channels).to(device)
+    builtin, builtin_copy = nn.BatchNorm2d(channels).to(device), nn.BatchNorm2d(channels).to(device)
     sync = SynchronizedBatchNorm2d(channels).to(device)
     weight = torch.ones(channels, device=device, requires_grad=True)
     bias = torch.zeros(channels, device=device, requires_grad=True)
@@ -81,53 +79,48 @@ def make_steps(shape, device, dtype):
             y.backward(upstream)
         return y
 
+    def functional():
+        return F.batch_norm(x, running_mean, running_var, weight, bias, True, 0.1, 1e-5)
+
     return {
         "nn.BatchNorm2d": lambda backward=True: run(lambda: builtin(x), backward),
+        "nn.BatchNorm2d copy": lambda backward=True: run(lambda: builtin_copy(x), backward),
         "SyncBN2d one device": lambda backward=True: run(lambda: sync(x), backward),
-        "F.batch_norm train": lambda backward=True: run(
-            lambda: F.batch_norm(x, running_mean, running_var, weight, bias, True, 0.1, 1e-5), backward),
+        "F.batch_norm train": lambda backward=True: run(functional, backward),
+        "F.batch_norm train copy": lambda backward=True: run(functional, backward),
         "SyncBN2d sync path (stubbed)": lambda backward=True: run(
             lambda: sync._forward_synchronized(x, None, 0.1, sync.running_mean, sync.running_var), backward),
     }
 
 
-def time_interleaved(steps: dict, names: list[str], repeats: int, device) -> dict[str, list[float]]:
-    for name in names:  # warm-up
-        steps[name]()
-    synchronize(device)
-    times = {name: [] for name in names}
-    for _ in range(repeats):
-        for name in names:
-            synchronize(device)
-            start = time.perf_counter()
-            steps[name]()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
-    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
-
-
-def single_process_benchmarks(repeats: int, device: torch.device) -> list[dict]:
-    rows = []
+def single_process_benchmarks(repeats: int, device: torch.device) -> tuple[list[dict], list[dict]]:
+    rows, targets = [], []
+    sync_device = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     for shape in SHAPES:
         steps = make_steps(shape, device, torch.float32)
-        names = list(steps)
-        times = time_interleaved(steps, names, repeats, device)
-        memory = {name: saved_bytes(steps[name]) for name in names}
-        rows.append({
+        times = time_interleaved(steps, repeats, before=sync_device, after=sync_device)
+        memory = {name: saved_bytes(steps[name]) for name in steps}
+        row = {
             "shape": list(shape),
             "median_ms": {name: 1000 * statistics.median(t) for name, t in times.items()},
             "saved": memory,
-            "a_time_ratio": paired_ratio(times, "SyncBN2d one device", "nn.BatchNorm2d"),
+            "a": paired(times["SyncBN2d one device"], times["nn.BatchNorm2d"]),
+            "a_control": paired(times["nn.BatchNorm2d copy"], times["nn.BatchNorm2d"]),
             "a_saved_ratio": memory["SyncBN2d one device"]["unique_bytes"] / memory["nn.BatchNorm2d"]["unique_bytes"],
-            "b_time_ratio": paired_ratio(times, "SyncBN2d sync path (stubbed)", "F.batch_norm train"),
+            "b": paired(times["SyncBN2d sync path (stubbed)"], times["F.batch_norm train"]),
+            "b_control": paired(times["F.batch_norm train copy"], times["F.batch_norm train"]),
             "b_saved_ratio": memory["SyncBN2d sync path (stubbed)"]["unique_bytes"]
             / memory["F.batch_norm train"]["unique_bytes"],
-        })
-    return rows
+        }
+        rows.append(row)
+        label = "x".join(map(str, shape))
+        targets += [
+            judge(f"syncbn a time {label}", row["a"], target=1.03, control=row["a_control"]),
+            judge(f"syncbn a saved bytes {label}", {"median": row["a_saved_ratio"]}, target=1.0, control=None),
+            judge(f"syncbn b time {label}", row["b"], target=1.5, control=row["b_control"]),
+            judge(f"syncbn b saved bytes {label}", {"median": row["b_saved_ratio"]}, target=1.1, control=None),
+        ]
+    return rows, targets
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,7 +138,7 @@ def _rank_worker(rank: int, port: int, repeats: int, out_path: str, threads: int
         x = (torch.randn(local_shape, generator=generator) + 1).requires_grad_()
         upstream = torch.randn(local_shape, generator=generator)
         sync = SynchronizedBatchNorm2d(channels)
-        local = nn.BatchNorm2d(channels)
+        local, local_copy = nn.BatchNorm2d(channels), nn.BatchNorm2d(channels)
         gather_row = torch.randn(2 * channels + 1, dtype=torch.float64)
         gather_out = [torch.empty_like(gather_row) for _ in range(2)]
         reduce_row = torch.randn(2, channels)
@@ -158,23 +151,21 @@ def _rank_worker(rank: int, port: int, repeats: int, out_path: str, threads: int
             dist.all_gather(gather_out, gather_row)
             dist.all_reduce(reduce_row)
 
-        variants = {"sync": lambda: layer_step(sync), "local": lambda: layer_step(local), "comm": collectives}
-        for step in variants.values():
-            step()
-        times = {name: [] for name in variants}
-        for _ in range(repeats):
-            for name, step in variants.items():
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
-        overhead = [s - l for s, l in zip(times["sync"], times["local"])]
+        variants = {"sync": lambda: layer_step(sync), "local": lambda: layer_step(local),
+                    "local copy": lambda: layer_step(local_copy), "comm": collectives, "comm copy": collectives}
+        times = time_interleaved(variants, repeats, before=dist.barrier)
+        extra = [s - l for s, l in zip(times["sync"], times["local"])]
+        extra_median = statistics.median(extra)
         rows.append({
             "shape": list(shape),
             "per_rank_shape": list(local_shape),
-            "median_ms": {name: 1000 * statistics.median(t) for name, t in times.items()},
-            "median_overhead_ms": 1000 * statistics.median(overhead),
-            "c_ratio": statistics.median(overhead) / statistics.median(times["comm"]),
+            "ms": {name: summary(t, 1000) for name, t in times.items()},
+            "extra_ms": summary(extra, 1000),
+            "extra_fraction_of_local": extra_median / statistics.median(times["local"]),
+            "c": {"median": extra_median / statistics.median(times["comm"]),
+                  **{key: value for key, value in paired(extra, times["comm"]).items() if key != "median"}},
+            "local_control": paired(times["local copy"], times["local"]),
+            "comm_control": paired(times["comm copy"], times["comm"]),
         })
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
@@ -194,55 +185,55 @@ def two_rank_benchmark(repeats: int, threads: int) -> list[dict]:
 
 
 def main() -> None:
+    stable_allocator("benchmarks.bench_syncbn", sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-distributed", action="store_true")
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" / "bench_syncbn.json"))
+    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_syncbn.json)")
     args = parser.parse_args()
     device = torch.device(args.device)
-
-    environment = {
-        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device),
-        "allocator_env": {name: os.environ.get(name) for name in ALLOCATOR_VARIABLES},
-        "allocator": "glibc malloc defaults (large freed blocks return to the OS)"
-        if device.type == "cpu" and not os.environ.get("LD_PRELOAD") else "see allocator_env",
-        "repeats": args.repeats,
-    }
-    print(f"torch {environment['torch']} on {device}, {environment['torch_threads']} threads, "
-          f"{args.repeats} interleaved repetitions; allocator: {environment['allocator']}")
-    rows = single_process_benchmarks(args.repeats, device)
-    header = (f"{'shape':>18} | {'nn.BN ms':>9} {'SyncBN ms':>9} {'a time':>7} {'a mem':>6} | "
-              f"{'F.bn ms':>8} {'sync ms':>8} {'b time':>7} {'b mem':>6}")
+    env = environment(device=str(device), repeats=args.repeats)
+    print(f"torch {env['torch']} on {device}, {env['torch_threads']} threads, {args.repeats} interleaved "
+          f"repetitions; allocator: {env['allocator']}")
+    rows, targets = single_process_benchmarks(args.repeats, device)
+    header = (f"{'shape':>18} | {'nn.BN ms':>9} {'SyncBN ms':>9} {'a time':>7} {'A/A':>6} {'a mem':>6} | "
+              f"{'F.bn ms':>8} {'sync ms':>8} {'b time':>7} {'A/A':>6} {'b mem':>6}")
     print(header)
     print("-" * len(header))
     for row in rows:
         ms = row["median_ms"]
         print(f"{str(tuple(row['shape'])):>18} | {ms['nn.BatchNorm2d']:9.2f} {ms['SyncBN2d one device']:9.2f} "
-              f"{row['a_time_ratio']:7.3f} {row['a_saved_ratio']:6.2f} | {ms['F.batch_norm train']:8.2f} "
-              f"{ms['SyncBN2d sync path (stubbed)']:8.2f} {row['b_time_ratio']:7.3f} {row['b_saved_ratio']:6.2f}")
-    print("targets: a time <= 1.03; b time <= 1.5, b saved bytes <= 1.1")
+              f"{row['a']['median']:7.3f} {row['a_control']['median']:6.3f} {row['a_saved_ratio']:6.2f} | "
+              f"{ms['F.batch_norm train']:8.2f} {ms['SyncBN2d sync path (stubbed)']:8.2f} "
+              f"{row['b']['median']:7.3f} {row['b_control']['median']:6.3f} {row['b_saved_ratio']:6.2f}")
+    print("targets: a time <= 1.03, a saved bytes <= 1.0; b time <= 1.5, b saved bytes <= 1.1 "
+          "(A/A: the denominator against its twin)")
 
     distributed_rows = []
-    if not args.skip_distributed and dist.is_available():
+    if not args.skip_distributed and dist.is_available() and device.type == "cpu":
         threads = max(1, (os.cpu_count() or 2) // 2)
         distributed_rows = two_rank_benchmark(args.repeats, threads)
-        print(f"\n2 gloo ranks on CPU ({threads} thread(s) each), batch split in half:")
-        header = f"{'shape':>18} | {'sync ms':>8} {'local ms':>8} {'comm ms':>8} {'overhead':>8} {'c ratio':>7}"
+        print(f"\n2 gloo ranks on CPU ({threads} thread(s) each), batch split in half; ms are medians (IQR):")
+        header = (f"{'shape':>18} | {'local ms':>14} {'extra ms':>14} {'of local':>8} | {'comm ms':>14} | "
+                  f"{'c':>6} {'A/A local':>9} {'A/A comm':>8}")
         print(header)
         print("-" * len(header))
         for row in distributed_rows:
-            ms = row["median_ms"]
-            print(f"{str(tuple(row['shape'])):>18} | {ms['sync']:8.2f} {ms['local']:8.2f} {ms['comm']:8.3f} "
-                  f"{row['median_overhead_ms']:8.2f} {row['c_ratio']:7.2f}")
-        print("target: c ratio <= 2 ((sync - local) / bare collectives)")
+            def cell(stats):
+                return f"{stats['median']:5.2f} ({stats['q1']:.2f}-{stats['q3']:.2f})"
 
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"environment": environment, "single_process": rows,
-                                  "two_gloo_ranks": distributed_rows}, indent=2))
-    print(f"\nwrote {output}")
+            print(f"{str(tuple(row['shape'])):>18} | {cell(row['ms']['local']):>14} {cell(row['extra_ms']):>14} "
+                  f"{100 * row['extra_fraction_of_local']:7.1f}% | {cell(row['ms']['comm']):>14} | "
+                  f"{row['c']['median']:6.2f} {row['local_control']['median']:9.3f} "
+                  f"{row['comm_control']['median']:8.3f}")
+            worse = max((row["local_control"], row["comm_control"]), key=lambda c: abs(c["median"] - 1))
+            targets.append(judge(f"syncbn c {'x'.join(map(str, row['shape']))}", row["c"], target=2.0, control=worse))
+        print("target: c = median(sync - local) / median(bare collectives) <= 2")
+
+    print_targets(targets)
+    write_record("bench_syncbn", args.output, {"environment": env, "single_process": rows,
+                                                "two_gloo_ranks": distributed_rows, "targets": targets})
 
 
 if __name__ == "__main__":

@@ -14,27 +14,26 @@ target ratio <= 1.10. Public API only.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, write_record
 
 
 def main(argv: list[str] | None = None) -> int:
+    stable_allocator("benchmarks.bench_train", sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="demo.yaml")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20, help="iterations per round and variant")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=15, help="iterations per round and variant")
     parser.add_argument("--warmup", type=int, default=-1,
                         help="untimed full-loop iterations first (-1: one epoch, so the timed rounds see the "
                              "steady state of a run, e.g. the synthetic renders already cached by the workers)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave as is)")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "bench_train.json"))
+    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_train.json)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -86,20 +85,27 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        rows = []
-        for round_index in range(args.rounds):
+        def full_loop() -> float:
             result = trainer.fit(stop_at=trainer.iteration + args.iters)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            full = result.train_seconds / args.iters
+            return result.train_seconds  # the loop without the checkpoint at its stop
+
+        def timed(steps) -> float:
             start = time.perf_counter()
-            bare_steps()
-            bare = (time.perf_counter() - start) / args.iters
-            start = time.perf_counter()
-            engine_steps()
-            step = (time.perf_counter() - start) / args.iters
-            rows.append({"round": round_index, "full_s_per_iter": full, "bare_s_per_iter": bare,
-                         "train_step_s_per_iter": step, "ratio": full / bare, "train_step_ratio": step / bare})
+            steps()
+            return time.perf_counter() - start
+
+        variants = {"full": full_loop, "bare": lambda: timed(bare_steps), "step": lambda: timed(engine_steps),
+                    "bare_copy": lambda: timed(bare_steps)}
+        rows = []
+        for round_index in range(args.rounds):
+            order = list(variants) if round_index % 2 == 0 else list(variants)[::-1]
+            seconds = {name: variants[name]() / args.iters for name in order}
+            rows.append({"round": round_index, "full_s_per_iter": seconds["full"], "bare_s_per_iter": seconds["bare"],
+                         "bare_copy_s_per_iter": seconds["bare_copy"], "train_step_s_per_iter": seconds["step"],
+                         "ratio": seconds["full"] / seconds["bare"], "train_step_ratio": seconds["step"] / seconds["bare"]})
+        trainer.close()
 
     full_median = statistics.median(r["full_s_per_iter"] for r in rows)
     bare_median = statistics.median(r["bare_s_per_iter"] for r in rows)
@@ -117,16 +123,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['bare_s_per_iter']:>11.4f}  {r['ratio']:>9.3f}  {r['train_step_ratio']:>9.3f}")
     print(f"{'median':>6}  {full_median:>11.4f}  {step_median:>11.4f}  {bare_median:>11.4f}  {ratio_median:>9.3f}  "
           f"{step_ratio_median:>9.3f}   (target full/bare <= 1.10)")
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({
+    def column(key: str) -> list[float]:
+        return [r[key] for r in rows]
+
+    targets = [judge("train full/bare loop", paired(column("full_s_per_iter"), column("bare_s_per_iter")),
+                     target=1.10, control=paired(column("bare_copy_s_per_iter"), column("bare_s_per_iter")))]
+    print_targets(targets)
+    write_record("bench_train", args.output, {
         "config": args.config, "overrides": args.overrides, "device": str(device),
-        "threads": torch.get_num_threads(), "iters_per_round": args.iters, "rounds": rows,
+        "iters_per_round": args.iters, "rounds": rows, "environment": environment(device=str(device)),
         "median_full_s_per_iter": full_median, "median_bare_s_per_iter": bare_median,
         "median_paired_ratio": ratio_median, "median_train_step_s_per_iter": step_median,
-        "median_train_step_ratio": step_ratio_median,
-    }, indent=2))
-    print(f"wrote {output}")
+        "median_train_step_ratio": step_ratio_median, "targets": targets,
+    })
     return 0
 
 

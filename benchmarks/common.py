@@ -1,0 +1,149 @@
+"""What every benchmark shares: a stable allocator, interleaved timing, paired ratios with their spread,
+A/A controls, verdicts, and the JSON record `python -m benchmarks.summary` reads.
+
+Why an A/A control: on a shared machine two timings of the same code can differ by more than a target's
+margin. Each comparison "numerator / denominator" is therefore run beside "denominator copy /
+denominator", an identical variant timed the same way; a verdict (PASS / FAIL) is given only when that
+control's median is within 1.02 of 1.00, else the target reads NOISY ("too noisy to judge") with its
+figures.
+
+Why the allocator setting: glibc returns large freed blocks to the OS, so every fresh multi-megabyte
+tensor pays page faults (about 9 ms for 32 MiB here) that dominate BatchNorm-sized work and vary from
+run to run. `stable_allocator()` re-executes the benchmark with MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ raised, so freed memory stays in the process and is reused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+STABLE_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967295"}
+ALLOCATOR_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",
+                       "PYTORCH_CUDA_ALLOC_CONF")
+CONTROL_TOLERANCE = 0.02
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def stable_allocator(module: str, argv: Sequence[str]) -> None:
+    """Re-execute `python -m module argv...` with STABLE_ALLOCATOR set, unless it is set already or
+    BENCH_DEFAULT_ALLOCATOR=1 asks for glibc's defaults. Call first thing in main()."""
+    if os.environ.get("BENCH_DEFAULT_ALLOCATOR") == "1":
+        return
+    if all(os.environ.get(name) == value for name, value in STABLE_ALLOCATOR.items()):
+        return
+    environment = {**os.environ, **STABLE_ALLOCATOR}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], environment)
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """The settings a reader needs to compare two runs (recorded in every JSON)."""
+    import torch
+
+    stable = all(os.environ.get(name) == value for name, value in STABLE_ALLOCATOR.items())
+    return {
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "allocator_env": {name: os.environ.get(name) for name in ALLOCATOR_VARIABLES},
+        "allocator": "glibc, freed memory kept (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised)" if stable
+        else "glibc defaults (large freed blocks return to the OS)",
+        **extra,
+    }
+
+
+def time_interleaved(variants: Mapping[str, Callable[[], Any]], repeats: int, *, inner: int = 1,
+                     before: Callable[[], None] | None = None, after: Callable[[], None] | None = None,
+                     clock: Callable[[], float] = time.perf_counter, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each variant, `repeats` samples each; a sample is the mean of `inner` calls.
+
+    Every repetition runs every variant once, in an order that reverses from one repetition to the next
+    (A B C, C B A, ...), so drift and position effects hit all alike. `before` / `after` run around each
+    sample outside the clock (a device synchronization, a barrier).
+    """
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    if after is not None:
+        after()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for repetition in range(repeats):
+        order = names if repetition % 2 == 0 else names[::-1]
+        for name in order:
+            if before is not None:
+                before()
+            start = clock()
+            for _ in range(inner):
+                variants[name]()
+            if after is not None:
+                after()
+            times[name].append((clock() - start) / inner)
+    return times
+
+
+def _quartiles(values: Sequence[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def paired(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, float]:
+    """Median, quartiles, min and max of the per-repetition ratios numerator[i] / denominator[i]."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    q1, q3 = _quartiles(ratios)
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3, "min": min(ratios), "max": max(ratios),
+            "pairs": len(ratios)}
+
+
+def summary(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """Median and quartiles of raw values (times scaled by `scale`, e.g. 1000 for ms)."""
+    q1, q3 = _quartiles(values)
+    return {"median": statistics.median(values) * scale, "q1": q1 * scale, "q3": q3 * scale, "n": len(values)}
+
+
+def judge(name: str, figure: Mapping[str, float], *, target: float, control: Mapping[str, float] | None,
+          higher_is_better: bool = False, unit: str = "x") -> dict[str, Any]:
+    """A target's record: its figure (median and spread), the A/A control and the verdict.
+
+    `control` None means the figure is not a timing (e.g. saved bytes), so it needs no control.
+    """
+    control_ok = control is None or abs(control["median"] - 1.0) <= CONTROL_TOLERANCE
+    met = figure["median"] >= target if higher_is_better else figure["median"] <= target
+    verdict = ("PASS" if met else "FAIL") if control_ok else "NOISY"
+    return {"target": name, "goal": f"{'>=' if higher_is_better else '<='} {target:g}{unit}", "figure": dict(figure),
+            "control": dict(control) if control is not None else None, "verdict": verdict}
+
+
+def format_spread(figure: Mapping[str, float]) -> str:
+    if "q1" in figure:
+        return f"IQR {figure['q1']:.3f}-{figure['q3']:.3f}, min-max {figure['min']:.3f}-{figure['max']:.3f}, " \
+               f"{figure['pairs']} pairs"
+    return "exact"
+
+
+def print_targets(targets: Sequence[Mapping[str, Any]]) -> None:
+    """One line a target: figure, spread, A/A control, verdict (NOISY: too noisy to judge)."""
+    width = max(len(t["target"]) for t in targets)
+    print(f"\n{'target':<{width}}  {'goal':>8}  {'figure':>7}  {'A/A':>6}  verdict  spread")
+    for t in targets:
+        control = f"{t['control']['median']:.3f}" if t["control"] else "-"
+        verdict = t["verdict"] if t["verdict"] != "NOISY" else "NOISY (too noisy to judge: A/A beyond 1.02)"
+        print(f"{t['target']:<{width}}  {t['goal']:>8}  {t['figure']['median']:7.3f}  {control:>6}  {verdict}  "
+              f"{format_spread(t['figure'])}")
+
+
+def write_record(name: str, output: str | None, payload: Mapping[str, Any]) -> Path:
+    """Write the benchmark's JSON (its `targets` list is what benchmarks.summary reads)."""
+    path = Path(output) if output else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=float))
+    print(f"wrote {path}")
+    return path

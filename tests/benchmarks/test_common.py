@@ -1,0 +1,66 @@
+"""benchmarks/common.py: interleaving, paired ratios, A/A-gated verdicts, the allocator re-exec, the summary."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import common, summary
+
+
+def test_interleaving_reverses_the_order_every_repetition_and_averages_inner_calls():
+    calls = []
+    ticks = iter(range(1000))
+    variants = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = common.time_interleaved(variants, 2, inner=2, warmup=1, clock=lambda: float(next(ticks)))
+    assert calls == list("abc") + list("aabbcc") + list("ccbbaa")
+    assert times == {name: [0.5, 0.5] for name in "abc"}  # one clock tick per sample of 2 calls
+
+
+def test_paired_ratios_report_median_and_spread():
+    figure = common.paired([2.0, 3.0, 4.0, 10.0], [1.0, 1.0, 2.0, 1.0])
+    assert figure["median"] == pytest.approx(2.5) and figure["min"] == 2.0 and figure["max"] == 10.0
+    assert figure["pairs"] == 4 and figure["q1"] <= figure["median"] <= figure["q3"]
+
+
+@pytest.mark.parametrize("value,control,higher,verdict", [
+    (1.01, 1.0, False, "PASS"), (1.10, 1.0, False, "FAIL"), (1.01, 1.05, False, "NOISY"), (0.9, 0.979, False, "NOISY"),
+    (3.5, 1.01, True, "PASS"), (2.5, 0.99, True, "FAIL"), (1.0, None, False, "PASS"),
+])
+def test_a_verdict_needs_the_a_a_control_within_two_percent(value, control, higher, verdict):
+    record = common.judge("t", {"median": value}, target=1.03 if not higher else 3.0,
+                          control=None if control is None else {"median": control}, higher_is_better=higher)
+    assert record["verdict"] == verdict
+
+
+def test_the_allocator_setting_is_applied_by_re_executing(monkeypatch):
+    executed = []
+    monkeypatch.setattr(os, "execve", lambda path, args, env: executed.append((args, env)))
+    for name in common.STABLE_ALLOCATOR:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("BENCH_DEFAULT_ALLOCATOR", raising=False)
+    common.stable_allocator("benchmarks.bench_x", ["--repeats", "3"])
+    (args, env), = executed
+    assert args[1:] == ["-m", "benchmarks.bench_x", "--repeats", "3"]
+    assert all(env[name] == value for name, value in common.STABLE_ALLOCATOR.items())
+    for name, value in common.STABLE_ALLOCATOR.items():
+        monkeypatch.setenv(name, value)
+    common.stable_allocator("benchmarks.bench_x", [])  # already set: no second exec
+    monkeypatch.delenv(next(iter(common.STABLE_ALLOCATOR)))
+    monkeypatch.setenv("BENCH_DEFAULT_ALLOCATOR", "1")
+    common.stable_allocator("benchmarks.bench_x", [])  # glibc defaults asked for
+    assert len(executed) == 1
+    assert "raised" in common.environment()["allocator"] or "defaults" in common.environment()["allocator"]
+
+
+def test_summary_prints_every_target_with_its_verdict(tmp_path, capsys):
+    targets = [common.judge("speed", {"median": 1.2, "q1": 1.1, "q3": 1.3, "min": 1.0, "max": 1.4, "pairs": 9},
+                            target=1.1, control={"median": 1.0}),
+               common.judge("noisy", {"median": 1.0, "q1": 1, "q3": 1, "min": 1, "max": 1, "pairs": 9},
+                            target=1.1, control={"median": 1.3})]
+    path = tmp_path / "bench_x.json"
+    path.write_text(json.dumps({"environment": {"allocator": "a"}, "targets": targets}))
+    assert summary.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "speed" in out and "FAIL" in out and "NOISY" in out and "0 pass, 1 fail, 1 too noisy" in out
