@@ -131,6 +131,9 @@ class LocalStats(Function):
             (x,) = ctx.saved_tensors
             sum_dy, sum_dy_xhat = global_sums[0], global_sums[1]
             mean, invstd, count = handoff.mean, handoff.invstd, handoff.total_count
+            if handoff.grad_output is not None and uses_fused_kernels(x):
+                return _fused_input_gradient(x, handoff.grad_output, mean, invstd, handoff.weight, sum_dy,
+                                             sum_dy_xhat, count), None
             scale = handoff.weight * invstd  # dy coefficient: gamma / sigma
             xhat_coef = invstd * sum_dy_xhat / count
             x_coef = -scale * xhat_coef
@@ -143,6 +146,24 @@ class LocalStats(Function):
             return grad_input, None
         finally:
             handoff.grad_output = None
+
+
+def uses_fused_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the input gradient comes from torch's fused CUDA kernel (CUDA tensors; CPU has none)."""
+    return tensor.is_cuda
+
+
+def _fused_input_gradient(x: torch.Tensor, grad_output: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                          weight: torch.Tensor, sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor,
+                          count: int | torch.Tensor) -> torch.Tensor:
+    """gamma * invstd * (dy - sum(dy)/N - (x - mean) * invstd^2 * sum(dy * (x - mean))/N) in one pass
+    (torch.batch_norm_backward_elemt, the kernel torch.nn.SyncBatchNorm uses), instead of an affine map
+    of x plus a multiply-add with dy (two passes over the activation)."""
+    total = count.reshape(1) if isinstance(count, torch.Tensor) else torch.full((1,), count, device=x.device)
+    if not (grad_output.is_contiguous() or grad_output.is_contiguous(memory_format=torch.channels_last)):
+        grad_output = grad_output.contiguous()
+    return torch.batch_norm_backward_elemt(grad_output, x, mean, invstd, weight, sum_dy, sum_dy_xhat / invstd,
+                                           total.round().to(torch.int32))
 
 
 class CombineStats(Function):

@@ -86,3 +86,40 @@ def test_data_parallel_under_autocast():
         y_ref = reference(x)
     assert y.dtype == y_ref.dtype
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def _thread_replica_step(inputs, upstream, channels, memory_format):
+    """Thread replicas of one layer on GPU 0 (the CUDA fused backward), as in tests/.../replicas.py."""
+    from tests.model.sync_batchnorm.replicas import make_replicas, run_replicas
+
+    sync = SynchronizedBatchNorm2d(channels).cuda()
+    with torch.no_grad():
+        sync.weight.uniform_(0.5, 1.5)
+        sync.bias.uniform_(-1, 1)
+    reference = nn.BatchNorm2d(channels).cuda()
+    reference.load_state_dict(sync.state_dict())
+    pieces = [piece.contiguous(memory_format=memory_format).detach().requires_grad_() for piece in inputs]
+    outputs = run_replicas(make_replicas(sync, len(pieces)), pieces)
+    torch.autograd.backward(outputs, [u.contiguous(memory_format=memory_format) for u in upstream])
+    x = torch.cat([piece.detach() for piece in inputs]).float().requires_grad_()
+    y = reference(x)
+    y.backward(torch.cat(upstream).float())
+    return pieces, outputs, x, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_fused_backward_thread_replicas_uneven_equal_batchnorm_on_concatenated_batch(dtype, memory_format):
+    from model.sync_batchnorm.functions import uses_fused_kernels
+
+    splits = [1, 3, 4]
+    x = torch.randn(sum(splits), 16, 9, 11, device="cuda") * 2 + 3
+    upstream = torch.randn_like(x)
+    assert uses_fused_kernels(x)
+    pieces, outputs, x_ref, y_ref = _thread_replica_step(list(x.to(dtype).split(splits)),
+                                                         list(upstream.to(dtype).split(splits)), 16, memory_format)
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    assert all(output.dtype == dtype for output in outputs)
+    torch.testing.assert_close(torch.cat(outputs).float(), y_ref.detach(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(torch.cat([p.grad for p in pieces]).float(), x_ref.grad, rtol=tolerance,
+                               atol=tolerance)

@@ -330,6 +330,41 @@ def test_channels_last_keeps_memory_format(sync_class, plain_class, shape, memor
     assert single(x.float()).is_contiguous(memory_format=memory_format)
 
 
+def _reference_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    """torch.batch_norm_backward_elemt's formula (its CUDA kernel), in float64, for CPU tensors."""
+    view = lambda t: t.double().view(1, -1, *([1] * (x.dim() - 2)))  # noqa: E731
+    total = count.sum().double()
+    gamma = weight if weight is not None else torch.ones_like(mean)
+    grad = (dy.double() - view(sum_dy) / total - (x.double() - view(mean)) * view(invstd.square() * sum_dy_xmu) / total)
+    return (grad * view(invstd * gamma)).to(dy.dtype)
+
+
+@pytest.mark.parametrize("splits", [[3, 5], [1, 2, 3]])
+def test_fused_cuda_backward_wiring_matches_batchnorm_on_the_concatenated_batch(monkeypatch, splits):
+    """The CUDA path's one-pass input gradient, run on CPU with a reference of the kernel's formula."""
+    from model.sync_batchnorm import functions
+
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[-1].tolist())
+        return _reference_backward_elemt(*args)
+
+    monkeypatch.setattr(functions, "uses_fused_kernels", lambda tensor: True)
+    monkeypatch.setattr(torch, "batch_norm_backward_elemt", kernel)
+    sync, reference = pair(SynchronizedBatchNorm2d, nn.BatchNorm2d, 3, torch.float64)
+    x = torch.randn(sum(splits), 3, 4, 5, dtype=torch.float64) * 2 + 1
+    upstream = torch.randn_like(x)
+    pieces = [piece.clone().requires_grad_() for piece in x.split(splits)]
+    replicas = make_replicas(sync, len(splits))
+    outputs = run_replicas(replicas, pieces)
+    torch.autograd.backward(outputs, list(upstream.split(splits)))
+    x_ref = x.clone().requires_grad_()
+    reference(x_ref).backward(upstream)
+    assert_close(torch.cat([p.grad for p in pieces]), x_ref.grad, torch.float64, "input gradient")
+    assert calls == [[sum(splits) * 20]] * len(splits)  # each replica, with the global count
+
+
 def test_gradcheck_thread_replicas():
     torch.manual_seed(0)
     sync = SynchronizedBatchNorm2d(3).double()
