@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from torch.utils.data import Dataset
 
-from data.base import BadSampleError, SegmentationDataset, bit_palette, palette_image
+from data.base import IGNORE_COLOR, BadSampleError, SegmentationDataset, bit_palette, palette_image, palette_table
 from data.cityscapes import CityscapesSegmentation
 from data.folder import FolderSegmentation
 from data.synthetic import DEFAULT_NUM_CLASSES, SyntheticShapes
@@ -18,8 +18,9 @@ from data.transforms import PairTransform, build_eval_transform, build_train_tra
 from data.voc import VOCSegmentation
 
 __all__ = [
-    "BadSampleError", "CityscapesSegmentation", "FolderSegmentation", "SegmentationDataset", "SyntheticShapes",
-    "VOCSegmentation", "bit_palette", "build_dataset", "normalize_batch", "palette_image",
+    "IGNORE_COLOR", "BadSampleError", "CityscapesSegmentation", "FolderSegmentation", "SegmentationDataset",
+    "SyntheticShapes", "VOCSegmentation", "bit_palette", "build_dataset", "normalize_batch", "palette_image",
+    "palette_table",
 ]
 
 
