@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Example: python eval.py --checkpoint runs/voc/best.pt --mode slide --scales 0.75,1.0,1.25 --flip "
                "data.root=/data/VOCdevkit/VOC2012",
     )
-    parser.add_argument("--checkpoint", required=True, help="a .pt file written by train.py (best.pt / last.pt)")
+    parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py (or a "
+                                                            ".safetensors file from scripts/export.py)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu; "
                                          "under torchrun each process uses cuda:LOCAL_RANK)")
     parser.add_argument("--split", help="dataset split to evaluate (default: the config's data.val_split)")
