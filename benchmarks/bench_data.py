@@ -56,11 +56,11 @@ def make_pairs(root: Path, count: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--crop", type=int, default=513)
+    parser.add_argument("--images", type=int, default=32, help="number of generated 500x375 image/mask pairs")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (one pass per variant each)")
+    parser.add_argument("--crop", type=int, default=513, help="training crop size of the pipeline, pixels")
     parser.add_argument("--threads", type=int, default=1, help="cv2 / torch threads (a DataLoader worker uses 1)")
-    parser.add_argument("--output", default="benchmarks/results/bench_data.json")
+    parser.add_argument("--output", default="benchmarks/results/bench_data.json", help="JSON results file")
     args = parser.parse_args(argv)
     cv2.setNumThreads(args.threads)
     torch.set_num_threads(args.threads)

@@ -195,10 +195,11 @@ def two_rank_benchmark(repeats: int, threads: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--skip-distributed", action="store_true")
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" / "bench_syncbn.json"))
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved repetitions of every variant")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the 2-rank part runs on gloo, CPU)")
+    parser.add_argument("--skip-distributed", action="store_true", help="leave out part c (2 gloo processes)")
+    parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "results" / "bench_syncbn.json"),
+                        help="JSON results file")
     args = parser.parse_args()
     device = torch.device(args.device)
 

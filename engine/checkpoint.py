@@ -190,7 +190,7 @@ def save_safetensors(path: str | Path, payload: Mapping[str, Any]) -> None:
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise ValueError("--format safetensors needs the safetensors package (pip install -r requirements.txt)") from None
+        raise ValueError("writing .safetensors needs the safetensors package (pip install -r requirements.txt)") from None
     path = Path(path)
     metadata = {key: json.dumps(payload[key]) for key in SAFETENSORS_METADATA if key in payload}
     tensors = {key: value.detach().cpu().contiguous() for key, value in payload["model"].items()}
