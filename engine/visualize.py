@@ -53,8 +53,8 @@ def titled_grid(rows: Sequence[Sequence[np.ndarray]], titles: Sequence[str]) -> 
     rows = [[_enlarge(np.asarray(panel, dtype=np.uint8), factor) for panel in row] for row in rows]
     num_columns = max(len(row) for row in rows)
     widths = [max(row[column].shape[1] for row in rows if column < len(row)) for column in range(num_columns)]
-    font = _font(14)
-    band = 22
+    font = _font(16)
+    band = 24
     width = sum(widths) + _GAP * (num_columns - 1)
     height = band + sum(max(panel.shape[0] for panel in row) for row in rows) + _GAP * (len(rows) - 1)
     canvas = np.empty((height, width, 3), dtype=np.uint8)
@@ -77,7 +77,7 @@ def titled_grid(rows: Sequence[Sequence[np.ndarray]], titles: Sequence[str]) -> 
 
 def legend_image(names: Sequence[str], colors: Sequence[Sequence[int]], *, width: int) -> np.ndarray:
     """A legend `width` pixels wide: a colour swatch and the name of each entry, wrapped into lines."""
-    font, swatch, pad, line = _font(13), 14, 6, 20
+    font, swatch, pad, line = _font(14), 14, 6, 22
     entries = [(str(name), tuple(int(c) for c in color)) for name, color in zip(names, colors)]
     sizes = [swatch + 4 + math.ceil(font.getlength(name)) + 2 * pad for name, _ in entries]
     lines, current, used = [], [], 0
