@@ -87,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
         logger.info("wrote %s (%.1f MB): %d tensors, the config and classes as metadata; reads back identical",
                     output, output.stat().st_size / 2**20, len(payload["model"]))
         return 0
-    torch.manual_seed(0)
     loaded = load_inference_model(checkpoint, device=torch.device("cpu"), overrides=["model.channels_last=false"])
     module = export_ready(loaded.model)
     height, width = parse_size(args.size, loaded.config.data.crop_size)
