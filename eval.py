@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Example: python eval.py --checkpoint runs/voc/best.pt --mode slide --scales 0.75,1.0,1.25 --flip "
                "data.root=/data/VOCdevkit/VOC2012",
     )
-    parser.add_argument("--checkpoint", required=True, help="a .pt file written by train.py (best.pt / last.pt)")
+    parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py (or a "
+                                                            ".safetensors file from scripts/export.py)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu; "
                                          "under torchrun each process uses cuda:LOCAL_RANK)")
     parser.add_argument("--split", help="dataset split to evaluate (default: the config's data.val_split)")
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "Cityscapes: labelIds for the benchmark server)")
     parser.add_argument("--output", metavar="JSON", help="write the metrics and the evaluation protocol here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the config this command would evaluate with (the checkpoint's, with the "
+                             "overrides and flags applied, every key) as YAML and exit")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides on top of the checkpoint's config, e.g. data.root=/data/VOC2012")
     return parser.parse_intermixed_args(argv)  # overrides may come before, between or after the options
@@ -133,9 +137,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
 
     is_main = dist_info is None or dist_info.is_main
     device = inference_device(args.device, dist_info)
-    loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides,
-                                  flags={"eval.mode": args.mode, "eval.scales": args.scales,
-                                         "eval.flip": args.flip, "eval.amp": args.amp})
+    loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides, flags=_flags(args))
     config, classes = loaded.config, loaded.classes
     split = args.split or config.data.val_split
     dataset = build_dataset(config.data, split, train=False)
@@ -186,8 +188,39 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     }), metrics
 
 
+def print_config(args: argparse.Namespace) -> int:
+    """--print-config: the checkpoint's config with the overrides and flags, read without its tensors."""
+    from engine.checkpoint import peek_checkpoint
+    from engine.config_io import config_yaml, inference_config
+
+    try:
+        if not Path(args.checkpoint).is_file():
+            raise FileNotFoundError(f"checkpoint '{args.checkpoint}' not found (expected a .pt file written by "
+                                    "train.py)")
+        saved = peek_checkpoint(args.checkpoint)
+        if not saved or "config" not in saved:
+            raise ValueError(f"checkpoint '{args.checkpoint}' could not be read (truncated, corrupt, or not a "
+                             "syncseg checkpoint)")
+        config = inference_config(saved["config"], args.overrides, source=f"checkpoint '{args.checkpoint}'",
+                                  flags=_flags(args))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"eval.py: error: {error}", file=sys.stderr)
+        return 2
+    header = (f"eval.py config: checkpoint {args.checkpoint} (iteration {saved.get('iteration', '?')}) with the "
+              "overrides and flags; every key")
+    print(config_yaml(config, header=header), end="")
+    return 0
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The command-line flags that set eval.* keys (None: the checkpoint's value)."""
+    return {"eval.mode": args.mode, "eval.scales": args.scales, "eval.flip": args.flip, "eval.amp": args.amp}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.print_config:
+        return print_config(args)
     dist_info = None
     from engine.distributed import detect_launch, setup_distributed
 

@@ -39,8 +39,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="start afresh in a run dir that holds a run, deleting its last.pt and best.pt")
     parser.add_argument("--stop-at", type=int, default=None, metavar="ITER",
                         help="save last.pt and stop at this iteration (split a run into chunks; resume later)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the config this command would train with (the --config file, its base chain "
+                             "and the overrides, every other key at its default; a resumed checkpoint's config "
+                             "when resuming) as YAML, usable as --config, and exit")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.iters=200")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
+
+
+def print_config(args: argparse.Namespace) -> int:
+    """--print-config: the resolved config on stdout (0), or the error in one line (2)."""
+    from engine.config_io import config_yaml
+    from engine.run_dir import resolved_config
+
+    try:
+        config, origin = resolved_config(args.config, args.resume, args.overrides)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
+    print(config_yaml(config, header=f"train.py config: {origin}; every key, defaults included"), end="")
+    return 0
 
 
 def _interpreter() -> str:
@@ -68,6 +86,8 @@ def resume_command(args: argparse.Namespace, dist_info) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.print_config:
+        return print_config(args)
     from engine.distributed import cleanup, detect_launch, is_communication_error, setup_distributed
     from engine.run_dir import dist_timeout, plan_run
     from engine.trainer import Trainer

@@ -129,18 +129,17 @@ def bench_inference(rounds: int, device: torch.device, *, height: int, width: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    stable_allocator("benchmarks.bench_eval", sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds of the confusion-matrix variants")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, like numpy's single-threaded bincount; 0 = torch's "
                              "default). On a loaded machine more threads than free cores make every parallel op "
                              "wait for a descheduled thread, which swamps these millisecond-scale kernels")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--height", type=int, default=256)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--crop", type=int, default=256)
-    parser.add_argument("--stride", type=int, default=171)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--height", type=int, default=256, help="inference image height, pixels")
+    parser.add_argument("--width", type=int, default=512, help="inference image width, pixels")
+    parser.add_argument("--crop", type=int, default=256, help="sliding window size, pixels")
+    parser.add_argument("--stride", type=int, default=171, help="sliding window step, pixels")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_eval.json)")
     args = parser.parse_args(argv)
     if args.threads > 0:
@@ -174,4 +173,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stable_allocator("benchmarks.bench_eval", sys.argv[1:])  # re-executes once, when run as a program
     sys.exit(main())

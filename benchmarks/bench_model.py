@@ -66,14 +66,13 @@ def training_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
 
 
 def main(argv: list[str] | None = None) -> dict:
-    stable_allocator("benchmarks.bench_model", sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--size", type=int, default=257)
+    parser.add_argument("--repeats", type=int, default=9, help="timed repetitions (each runs every variant once)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant first")
+    parser.add_argument("--batch", type=int, default=2, help="images per training step")
+    parser.add_argument("--size", type=int, default=257, help="square input size, pixels")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_model.json)")
     args = parser.parse_args(argv)
     if args.threads > 0:
@@ -139,4 +138,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    stable_allocator("benchmarks.bench_model", sys.argv[1:])  # re-executes once, when run as a program
     main()

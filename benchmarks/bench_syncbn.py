@@ -185,11 +185,10 @@ def two_rank_benchmark(repeats: int, threads: int) -> list[dict]:
 
 
 def main() -> None:
-    stable_allocator("benchmarks.bench_syncbn", sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=31)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--skip-distributed", action="store_true")
+    parser.add_argument("--repeats", type=int, default=31, help="interleaved repetitions of every variant")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the 2-rank part runs on gloo, CPU)")
+    parser.add_argument("--skip-distributed", action="store_true", help="leave out part c (2 gloo processes)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_syncbn.json)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -237,4 +236,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stable_allocator("benchmarks.bench_syncbn", sys.argv[1:])  # re-executes once, when run as a program
     main()

@@ -24,17 +24,16 @@ from benchmarks.common import environment, judge, paired, print_targets, stable_
 
 
 def main(argv: list[str] | None = None) -> int:
-    stable_allocator("benchmarks.bench_train", sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="demo.yaml")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--config", default="demo.yaml", help="config name in configs/ or a YAML path")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the four variants")
     parser.add_argument("--iters", type=int, default=15, help="iterations per round and variant")
     parser.add_argument("--warmup", type=int, default=-1,
                         help="untimed full-loop iterations first (-1: one epoch, so the timed rounds see the "
                              "steady state of a run, e.g. the synthetic renders already cached by the workers)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_train.json)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.batch_size=4")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -140,4 +139,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stable_allocator("benchmarks.bench_train", sys.argv[1:])  # re-executes once, when run as a program
     sys.exit(main())

@@ -32,7 +32,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def stable_allocator(module: str, argv: Sequence[str]) -> None:
     """Re-execute `python -m module argv...` with STABLE_ALLOCATOR set, unless it is set already or
-    BENCH_DEFAULT_ALLOCATOR=1 asks for glibc's defaults. Call first thing in main()."""
+    BENCH_DEFAULT_ALLOCATOR=1 asks for glibc's defaults. Call it under `if __name__ == "__main__"` only:
+    it replaces the running process."""
     if os.environ.get("BENCH_DEFAULT_ALLOCATOR") == "1":
         return
     if all(os.environ.get(name) == value for name, value in STABLE_ALLOCATOR.items()):

@@ -6,11 +6,19 @@ and carries `classes`, `palette` (num_classes x 3 uint8), `num_classes`, `ignore
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
 
-from torch.utils.data import Dataset
+# albumentations asks PyPI for a newer version when it is imported (a 2 s timeout and a warning on
+# every start without network). Nothing in syncseg may touch the network, so the check is switched
+# off here, before data.transforms imports albumentations (every import of a data module runs this
+# file first). Set unconditionally: a user's own setting of the variable must not turn it back on.
+os.environ["NO_ALBUMENTATIONS_UPDATE"] = "1"
 
-from data.base import BadSampleError, SegmentationDataset, bit_palette, palette_image
+from typing import Any, Callable  # noqa: E402
+
+from torch.utils.data import Dataset  # noqa: E402
+
+from data.base import IGNORE_COLOR, BadSampleError, SegmentationDataset, bit_palette, palette_image, palette_table
 from data.cityscapes import CityscapesSegmentation
 from data.folder import FolderSegmentation
 from data.synthetic import DEFAULT_NUM_CLASSES, SyntheticShapes
@@ -18,8 +26,9 @@ from data.transforms import PairTransform, build_eval_transform, build_train_tra
 from data.voc import VOCSegmentation
 
 __all__ = [
-    "BadSampleError", "CityscapesSegmentation", "FolderSegmentation", "SegmentationDataset", "SyntheticShapes",
-    "VOCSegmentation", "bit_palette", "build_dataset", "normalize_batch", "palette_image",
+    "IGNORE_COLOR", "BadSampleError", "CityscapesSegmentation", "FolderSegmentation", "SegmentationDataset",
+    "SyntheticShapes", "VOCSegmentation", "bit_palette", "build_dataset", "normalize_batch", "palette_image",
+    "palette_table",
 ]
 
 

@@ -44,19 +44,31 @@ def bit_palette(num_colors: int) -> np.ndarray:
     return palette
 
 
-def palette_image(mask: np.ndarray, palette: np.ndarray) -> Image.Image:
-    """HxW class-index mask -> PIL image in P mode colored by `palette` (num_classes x 3); values past
-    the palette (the ignore label) are black."""
+IGNORE_COLOR = (224, 224, 192)  # VOC's cream for its 255 "void" label: apart from every class and from black
+
+
+def palette_table(palette: np.ndarray, *, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
+    """256 x 3 uint8 colours by label value: `palette` (num_classes x 3) for the classes, IGNORE_COLOR
+    at `ignore_index` (when it is not a class index), black for every other value."""
+    palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)[:256]
+    table = np.zeros((256, 3), dtype=np.uint8)
+    table[: len(palette)] = palette
+    if len(palette) <= ignore_index < 256:
+        table[ignore_index] = IGNORE_COLOR
+    return table
+
+
+def palette_image(mask: np.ndarray, palette: np.ndarray, *, ignore_index: int = IGNORE_INDEX) -> Image.Image:
+    """HxW class-index mask -> PIL image in P mode colored by `palette` (num_classes x 3). The pixel
+    values stay the labels (the ignore value included); only the colours are the palette's, with
+    `ignore_index` in IGNORE_COLOR as in VOC's own PNGs and other values past the palette black."""
     mask = np.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"palette_image expects an HxW mask, got shape {mask.shape}")
     if mask.size and (mask.min() < 0 or mask.max() > 255):
         raise ValueError(f"palette_image: mask values must be in [0, 255], got [{mask.min()}, {mask.max()}]")
-    palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)[:255]
-    full = np.zeros((256, 3), dtype=np.uint8)
-    full[: len(palette)] = palette
     image = Image.fromarray(mask.astype(np.uint8), mode="P")
-    image.putpalette(full.reshape(-1).tolist())
+    image.putpalette(palette_table(palette, ignore_index=ignore_index).reshape(-1).tolist())
     return image
 
 
@@ -64,9 +76,11 @@ _JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
 _JPEG_TAIL = 4096  # where the end marker must be; tools append at most a little padding after it
 
 
-def read_image(path: str | os.PathLike) -> np.ndarray:
-    """HxWx3 uint8 RGB (EXIF orientation ignored, like the mask); BadSampleError naming the file if it
-    is missing, not an image, or a JPEG cut short (decoders fill the missing part in gray silently)."""
+def read_image(path: str | os.PathLike, *, exif_orientation: bool = False) -> np.ndarray:
+    """HxWx3 uint8 RGB; BadSampleError naming the file if it is missing, not an image, or a JPEG cut
+    short (decoders fill the missing part in gray silently). Training data ignores the EXIF orientation,
+    like the masks drawn on the stored pixels; `exif_orientation=True` applies it (photos to predict:
+    a phone's portrait shot is stored sideways with an orientation tag)."""
     try:
         data = np.fromfile(os.fspath(path), dtype=np.uint8)
     except OSError as error:
@@ -74,7 +88,8 @@ def read_image(path: str | os.PathLike) -> np.ndarray:
     if data[:2].tobytes() == _JPEG_START and _JPEG_END not in data[-_JPEG_TAIL:].tobytes():
         raise BadSampleError(f"image '{path}' is a truncated JPEG (no end marker: a partial download or copy?); "
                              "replace the file")
-    image = cv2.imdecode(data, _IMAGE_READ_FLAGS) if data.size else None
+    flags = cv2.IMREAD_COLOR_RGB if exif_orientation else _IMAGE_READ_FLAGS
+    image = cv2.imdecode(data, flags) if data.size else None
     if image is None:
         raise BadSampleError(f"cannot read image '{path}' (empty, truncated or not an image)")
     return image

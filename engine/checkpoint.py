@@ -2,15 +2,22 @@
 
 A checkpoint is a dict of primitives and tensors (DESIGN.md): `format_version`, `model` (unwrapped
 state dict), `config` (engine.config_io.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
-`optimizer`, `scheduler`, `scaler`, `rng`. It loads with `weights_only=True`, so no pickled classes.
+`run_id`, and in last.pt also what a resume needs (`optimizer`, `scheduler`, `scaler`, `rng`,
+`overrides`). best.pt is the file people keep and share: `WEIGHTS_KEYS` plus the validation
+`metrics` that made it the best, no optimizer state (a third of last.pt with AdamW, whose two
+moments are each as large as the weights). It loads with `weights_only=True`, so no pickled classes.
 Files are written atomically: a temporary file in the same folder, fsync, then os.replace, so an
-existing checkpoint is either the old one or the new one, never half-written.
+existing checkpoint is either the old one or the new one, never half-written; they get the mode a
+plain `open()` would give (0644 under umask 022), so teammates on a shared cluster can read them.
+A `.safetensors` file written by `scripts/export.py --format safetensors` loads here too.
 
 `load_inference_model` is what eval.py and predict.py share: checkpoint -> config (with overrides and
 CLI flags) -> model with the weights, on a device, in eval mode.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import os
 import tempfile
@@ -33,6 +40,11 @@ FORMAT_VERSION = 1
 # asks for them with `required_keys=`.
 REQUIRED_KEYS = ("format_version", "model", "config", "classes")
 RESUME_KEYS = REQUIRED_KEYS + ("iteration", "epoch", "best_miou", "optimizer", "scheduler", "scaler", "rng")
+# What best.pt keeps of a training payload (plus `metrics`): everything but the resume state.
+WEIGHTS_KEYS = REQUIRED_KEYS + ("iteration", "epoch", "best_miou", "run_id")
+SAFETENSORS_SUFFIX = ".safetensors"
+# .safetensors metadata entries (each a JSON string) that become payload keys
+SAFETENSORS_METADATA = ("format_version", "config", "classes", "iteration", "best_miou", "metrics", "run_id")
 
 TEMPORARY_SUFFIX = ".tmp"  # save_checkpoint writes .<name>.<random>.tmp beside <name>, then renames it
 
@@ -60,8 +72,31 @@ def _check_plain(value: Any, where: str) -> None:
     )
 
 
+def weights_payload(payload: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The best.pt subset of a training payload: WEIGHTS_KEYS (those present) and `metrics`."""
+    small = {key: payload[key] for key in WEIGHTS_KEYS if key in payload}
+    if metrics is not None:
+        small["metrics"] = dict(metrics)
+    return small
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux reports it (/proc/self/status), else by
+    setting and restoring it (a brief window in which another thread's new file could get mode 0666)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
-    """Write `payload` to `path` atomically (temporary file in the same folder, fsync, os.replace).
+    """Write `payload` to `path` atomically (temporary file in the same folder, fsync, os.replace),
+    with mode 0666 & ~umask like any file the user creates (mkstemp's own 0600 would hide it).
 
     Creates the parent folder. Raises ValueError, before writing anything, when the payload holds an
     object that would not load with weights_only=True.
@@ -71,6 +106,7 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
     try:
+        os.fchmod(handle, 0o666 & ~current_umask())
         with os.fdopen(handle, "wb") as file:
             torch.save(dict(payload), file)
             file.flush()
@@ -106,8 +142,14 @@ def load_checkpoint(path: str | Path, *, required_keys: Iterable[str] = REQUIRED
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint '{path}' not found (expected a .pt file written by train.py)")
+    is_safetensors = path.suffix == SAFETENSORS_SUFFIX
+    if is_safetensors and importlib.util.find_spec("safetensors") is None:
+        raise ValueError(f"reading '{path}' needs the safetensors package (pip install -r requirements.txt)")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if is_safetensors:
+            payload = _load_safetensors(path)
+        else:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # pickle, zip and torch errors all mean the same thing here
         raise ValueError(
             f"checkpoint '{path}' could not be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
@@ -118,8 +160,11 @@ def load_checkpoint(path: str | Path, *, required_keys: Iterable[str] = REQUIRED
                          f"{', '.join(REQUIRED_KEYS)}")
     missing = [key for key in required_keys if key not in payload]
     if missing:
+        hint = ""
+        if "model" in payload and "optimizer" in missing:
+            hint = "; it holds weights only (like best.pt): resume from the run's last.pt"
         raise ValueError(f"checkpoint '{path}' lacks required key(s) {', '.join(missing)} "
-                         f"(has: {', '.join(map(str, payload))})")
+                         f"(has: {', '.join(map(str, payload))}){hint}")
     version = payload.get("format_version")
     if version is not None and (not isinstance(version, int) or version > FORMAT_VERSION):
         raise ValueError(f"checkpoint '{path}' has format_version={version!r}; this code reads versions "
@@ -127,11 +172,52 @@ def load_checkpoint(path: str | Path, *, required_keys: Iterable[str] = REQUIRED
     return payload
 
 
+def _load_safetensors(path: Path) -> dict[str, Any]:
+    """A payload from a .safetensors release file: its tensors are `model`, its metadata the rest (JSON)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as file:
+        metadata = file.metadata() or {}
+        state = {key: file.get_tensor(key) for key in file.keys()}
+    payload = {key: json.loads(value) for key, value in metadata.items() if key in SAFETENSORS_METADATA}
+    payload["model"] = state
+    return payload
+
+
+def save_safetensors(path: str | Path, payload: Mapping[str, Any]) -> None:
+    """Write a payload's `model` as a .safetensors file with SAFETENSORS_METADATA as JSON metadata
+    (atomically, with the umask's mode, like save_checkpoint). Raises ValueError without safetensors."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ValueError("writing .safetensors needs the safetensors package (pip install -r requirements.txt)") from None
+    path = Path(path)
+    metadata = {key: json.dumps(payload[key]) for key in SAFETENSORS_METADATA if key in payload}
+    tensors = {key: value.detach().cpu().contiguous() for key, value in payload["model"].items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        os.chmod(temporary, 0o666 & ~current_umask())  # after: save_file creates the file anew
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 def peek_checkpoint(path: str | Path) -> dict[str, Any] | None:
     """The small entries (iteration, best_miou, run_id, ..., and the config) of a checkpoint, read
     without loading its tensors (memory-mapped); None when the file is missing or unreadable."""
     try:
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
+        if Path(path).suffix == SAFETENSORS_SUFFIX:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt", device="cpu") as file:
+                payload = {key: json.loads(value) for key, value in (file.metadata() or {}).items()
+                           if key in SAFETENSORS_METADATA}
+        else:
+            payload = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # missing, partial or foreign: nothing to learn from it
         return None
     if not isinstance(payload, dict):

@@ -270,5 +270,12 @@ def inference_config(
     return build_config(values, source="command line", base=from_dict(saved, source=source))
 
 
+def config_yaml(config: Config, *, header: str = "") -> str:
+    """Every key of `config` (defaults included) as YAML, readable back with --config; `header` lines
+    become YAML comments on top."""
+    comments = "".join(f"# {line}\n" for line in header.splitlines())
+    return comments + yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
 def save_config(config: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    Path(path).write_text(config_yaml(config))

@@ -8,6 +8,7 @@ are summed, so every image is counted exactly once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.transforms import normalize_batch
 from engine.distributed import all_reduce_sum, autocast_for, get_rank
@@ -91,10 +93,12 @@ def evaluate(
     was_training = model.training
     model.eval()
     batches = loader
+    redirect = contextlib.nullcontext()
     if progress and rank == 0 and sys.stderr.isatty():  # a progress bar only where it redraws in place
         batches = tqdm(loader, desc="eval", total=len(loader), dynamic_ncols=True, leave=False)
+        redirect = logging_redirect_tqdm()  # log lines above the bar, not written into it
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), redirect:
             for batch_index, (images, masks) in enumerate(batches):
                 images = images.to(device, non_blocking=True)
                 masks = masks.to(device, non_blocking=True)

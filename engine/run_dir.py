@@ -175,6 +175,31 @@ def _best_so_far(run_dir: Path, payload: dict[str, Any]) -> float:
     return value
 
 
+def resolved_config(config_name: str | None, resume: str | None, overrides: list[str]) -> tuple[Config, str]:
+    """(the config a train.py command line would run, where it comes from), without locking or
+    loading tensors: `--resume PATH` or `--resume auto` with an existing last.pt give that
+    checkpoint's config with the overrides on top, as a resume does; else the --config file with its
+    base chain and the overrides, every other key at its default. Raises ValueError /
+    FileNotFoundError as train.py would."""
+    if config_name is None and resume in (None, "auto"):
+        raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
+    path = Path(resume) if resume not in (None, "auto") else None
+    if path is None:
+        config = load_config(config_name, overrides)
+        last = config.run_dir / "last.pt"
+        if resume != "auto" or not last.is_file():
+            return config, f"--config {config_name}" + (f" with {' '.join(overrides)}" if overrides else "")
+        path = last
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint '{path}' not found (expected a .pt file written by train.py)")
+    saved = peek_checkpoint(path)
+    if not saved or "config" not in saved:
+        raise ValueError(f"checkpoint '{path}' could not be read (truncated, corrupt, or not a syncseg checkpoint)")
+    config = build_config(parse_overrides(overrides), source="command line", base=from_dict(saved["config"], source=str(path)))
+    return config, f"resuming {path} (iteration {saved.get('iteration', '?')})" + (
+        f" with {' '.join(overrides)}" if overrides else "")
+
+
 def dist_timeout(config_name: str | None, resume: str | None, overrides: list[str]) -> float:
     """dist.timeout_s of the run about to start, read before the process group exists (errors in the
     files are reported later, by plan_run, on rank 0)."""

@@ -1,7 +1,11 @@
-"""What a run reports: metrics.jsonl, TensorBoard scalars and image grids, throughput, progress lines.
+"""What a run reports: metrics.jsonl, TensorBoard scalars, text and images, throughput, progress lines.
 
 Only rank 0 writes (`enabled`). metrics.jsonl holds one JSON object per logged step:
-{"type": "train" | "val", "iteration": N, ...the scalars...}.
+{"type": "train" | "val", "iteration": N, ...the scalars...}. The TensorBoard event files sit in the
+run dir itself, so `tensorboard --logdir runs/` lists each run by its folder name. Values that do not
+change during a run (NOT_PLOTTED) stay in metrics.jsonl only: a card with a flat line says nothing.
+Each validation also writes a `val/summary` text card, the exact numbers (TensorBoard's scalar
+charts smooth by default; README: open them with ?smoothing=0).
 """
 from __future__ import annotations
 
@@ -16,12 +20,13 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 from tqdm import tqdm
-
-from data import palette_image
-from data.transforms import normalize_batch
-from engine.inference import predict
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 logger = logging.getLogger(__name__)
+
+NOT_PLOTTED = frozenset({"val/num_images"})  # constant over a run: metrics.jsonl only
+LEGACY_TENSORBOARD_DIR = "tensorboard"  # where runs written before events moved to the run dir keep them
+VAL_SCALARS = ("miou", "pixel_acc", "mean_acc", "fwiou", "num_images")
 
 
 class MetricsLog:
@@ -59,17 +64,36 @@ class MetricsLog:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter  # heavy import, only where logs are written
 
-            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self._purge_step)
+            self.writer = SummaryWriter(log_dir=str(self.events_dir()), purge_step=self._purge_step)
             self._purge_step = None
         return self.writer
 
+    def events_dir(self) -> Path:
+        """The run dir; for a resumed run whose earlier events are in run_dir/tensorboard, that folder
+        (so its history stays one run in TensorBoard, and the resume purge applies to it)."""
+        legacy = self.run_dir / LEGACY_TENSORBOARD_DIR
+        if self._purge_step != 0 and legacy.is_dir() and any(legacy.glob("events.out.tfevents.*")):
+            return legacy
+        return self.run_dir
+
     def scalars(self, record: dict[str, Any], *, step: int, prefix: str) -> None:
+        """Append `record` to metrics.jsonl and plot its numbers as `prefix/key` (NOT_PLOTTED left out)."""
         if not self.enabled:
             return
         for key, value in flat_numbers(record):
-            self._open().add_scalar(f"{prefix}/{key}", value, step)
+            if f"{prefix}/{key}" not in NOT_PLOTTED:
+                self._open().add_scalar(f"{prefix}/{key}", value, step)
         with self.path.open("a") as file:
             file.write(json.dumps({"type": prefix, "iteration": step, **record}) + "\n")
+
+    def validation(self, metrics: Mapping[str, Any], *, classes: Sequence[str], step: int) -> None:
+        """Log evaluate()'s `metrics` as `val` scalars (per-class IoU under val/iou/<class>) and the
+        `val/summary` text card."""
+        record = {key: metrics[key] for key in VAL_SCALARS if key in metrics}
+        record["iou"] = {name: value for name, value in zip(classes, metrics["iou"]) if value is not None}
+        self.scalars(record, step=step, prefix="val")
+        if self.enabled:
+            self._open().add_text("val/summary", validation_markdown(metrics, classes=classes, step=step), step)
 
     def image(self, tag: str, image: np.ndarray, *, step: int) -> None:
         if self.enabled:
@@ -142,40 +166,32 @@ def progress_line(record: Mapping[str, Any], *, iteration: int, stop_at: int, et
             f"eta {format_seconds(eta)}")
 
 
+def validation_markdown(metrics: Mapping[str, Any], *, classes: Sequence[str], step: int) -> str:
+    """The summary numbers and the per-class IoU of one validation as Markdown tables (n/a: a class
+    absent from truth and prediction)."""
+    def cell(value: Any) -> str:
+        return f"{100 * value:.2f}" if isinstance(value, (int, float)) and value == value else "n/a"
+
+    lines = [f"**iteration {step}**, {metrics.get('num_images', '?')} images", "", "| metric | % |", "|---|---:|"]
+    lines += [f"| {label} | {cell(metrics.get(key))} |" for label, key in
+              (("mIoU", "miou"), ("pixel accuracy", "pixel_acc"), ("mean accuracy", "mean_acc"),
+               ("frequency-weighted IoU", "fwiou"))]
+    lines += ["", "| class | IoU % |", "|---|---:|"]
+    lines += [f"| {name} | {cell(value)} |" for name, value in zip(classes, metrics.get("iou", []))]
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
-def progress_bar(*, enabled: bool, total: int, initial: int) -> Iterator[Any]:
-    """A tqdm bar on stderr when `enabled` (rank 0 in a terminal), else None; closed on exit."""
+def progress_bar(*, enabled: bool, total: int, initial: int, desc: str = "train") -> Iterator[Any]:
+    """A tqdm bar on stderr when `enabled` (rank 0 in a terminal), else None; closed on exit. While
+    the bar is shown, log records go through tqdm.write (logging_redirect_tqdm), so a log line is
+    printed above the bar instead of being written into it."""
     if not enabled:
         yield None
         return
-    bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc="train")
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-@torch.no_grad()
-def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int], *, num_classes: int,
-                    device: torch.device, data_cfg: Any, eval_cfg: Any) -> np.ndarray:
-    """image | truth | prediction, one row per dataset index, predicted as evaluation does (eval mode)."""
-    palette = np.asarray(dataset.palette, dtype=np.uint8)
-    rows = []
-    for index in indices:
-        image, mask = dataset[index]
-        batch = normalize_batch(image.unsqueeze(0).to(device), data_cfg.mean, data_cfg.std)
-        logits = predict(model, batch, num_classes=num_classes, mode=eval_cfg.mode, window_size=eval_cfg.window_size,
-                         stride=eval_cfg.stride)
-        prediction = logits.argmax(1)[0].cpu().numpy().astype(np.uint8)
-        rows.append([image.permute(1, 2, 0).numpy()] + [
-            np.asarray(palette_image(labels.astype(np.uint8), palette).convert("RGB"))
-            for labels in (mask.numpy(), prediction)])
-    return image_grid(rows)
-
-
-def image_grid(rows: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
-    """H x W x 3 uint8 panels side by side per row, rows stacked; shorter rows padded black on the right."""
-    joined = [np.concatenate(list(panels), axis=1) for panels in rows]
-    width = max(row.shape[1] for row in joined)
-    joined = [np.pad(row, ((0, 0), (0, width - row.shape[1]), (0, 0))) for row in joined]
-    return np.concatenate(joined, axis=0)
+    with logging_redirect_tqdm():
+        bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc=desc)
+        try:
+            yield bar
+        finally:
+            bar.close()

@@ -30,6 +30,7 @@ from engine.checkpoint import (
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
+    weights_payload,
 )
 from engine.config import Config
 from engine.config_io import from_dict, save_config, to_dict
@@ -37,7 +38,7 @@ from engine.distributed import DistInfo, all_reduce_sum, autocast_for, barrier, 
 from engine.evaluate import check_batching, evaluate
 from engine.loss import build_loss
 from engine.optim import PolyWarmupLR, build_optimizer
-from engine.run_log import MetricsLog, Throughput, peak_memory_mb, prediction_grid, progress_bar, progress_line
+from engine.run_log import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
 from engine.samplers import (
     ResumableBatchSampler,
     build_eval_loader,
@@ -48,6 +49,7 @@ from engine.samplers import (
 )
 from engine.seeding import capture_rng_state, mix_seed, restore_rng_state, seed_process
 from engine.signals import StopRequest
+from engine.visualize import prediction_grid
 from model.builder import build_model, build_param_groups, load_segmentation_weights
 from model.norm import synchronizes_statistics
 from model.sync_batchnorm import DataParallelWithCallback
@@ -107,7 +109,7 @@ class Trainer:
                                       warmup_iters=train_cfg.warmup_iters)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=train_cfg.amp == "fp16")
         self.criterion = build_loss(train_cfg, ignore_index=self.ignore_index).to(self.device)
-        self.iteration, self.best_miou = 0, -1.0
+        self.iteration, self.best_miou, self.best_metrics = 0, -1.0, None  # best_metrics: best.pt's validation
         if resume is not None:
             self._load_training_state(resume)
         self.sampler = ResumableBatchSampler(len(self.train_set), global_batch=train_cfg.batch_size,
@@ -323,7 +325,7 @@ class Trainer:
         metrics = self.validate()
         result.last_val = metrics
         if metrics["miou"] > self.best_miou:
-            self.best_miou = float(metrics["miou"])
+            self.best_miou, self.best_metrics = float(metrics["miou"]), metrics
             return True
         return False
 
@@ -335,9 +337,7 @@ class Trainer:
                            mean=data_cfg.mean, std=data_cfg.std, eval_cfg=self.config.eval,
                            ignore_index=self.ignore_index, classes=self.classes, progress=False)
         if self.is_main:
-            record = {k: metrics[k] for k in ("miou", "pixel_acc", "mean_acc", "fwiou", "num_images") if k in metrics}
-            record["iou"] = {name: value for name, value in zip(self.classes, metrics["iou"]) if value is not None}
-            self.log.scalars(record, step=self.iteration, prefix="val")
+            self.log.validation(metrics, classes=self.classes, step=self.iteration)
             if self.vis_indices:
                 grid = prediction_grid(self.model, self.val_set, self.vis_indices, num_classes=self.num_classes,
                                        device=self.device, data_cfg=self.config.data, eval_cfg=self.config.eval)
@@ -366,6 +366,7 @@ class Trainer:
 
     def save(self, names: list[str]) -> None:
         """Write run_dir/<name> for each name (rank 0); every process must call it (RNG gathering).
+        best.pt gets the weights and the best validation's metrics only (engine.checkpoint.weights_payload).
 
         Raises FloatingPointError, before writing, when a parameter or buffer is not finite (on any
         process): the previous checkpoint stays the last good one.
@@ -387,7 +388,8 @@ class Trainer:
         if self.is_main:
             payload = self._payload({"per_rank": states})
             for name in names:
-                save_checkpoint(self.run_dir / name, payload)
+                save_checkpoint(self.run_dir / name, weights_payload(payload, metrics=self.best_metrics)
+                                if name == "best.pt" else payload)
             logger.info("saved %s at iteration %d", " and ".join(names), self.iteration)
         barrier()
 

@@ -4,7 +4,21 @@
 # Writes under OUTPUT_DIR: environment.txt, cuda_tests.txt (pytest output), bench_syncbn_cuda.{txt,json}.
 # Uses $PYTHON, else .venv/bin/python when it exists, else python3 (the GPU machine's own PyTorch).
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTPUT_DIR}
+usage() {
+  cat <<'EOF_USAGE'
+usage: scripts/gpu_check.sh OUTPUT_DIR
+Runs every CUDA test, the CUDA SyncBN benchmark, a 100-iteration --gpus 0 fp16 training of the demo and,
+with 2 GPUs, a 2-process torchrun training; writes logs and JSON under OUTPUT_DIR (created if needed).
+Python: $PYTHON, else .venv/bin/python when it exists, else python3. Exit status 0 when every step passed.
+EOF_USAGE
+}
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
+  -*) echo "gpu_check.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
+esac
+if [ $# -gt 1 ]; then echo "gpu_check.sh: one OUTPUT_DIR expected, got $#" >&2; usage >&2; exit 2; fi
+out=$1
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 py=${PYTHON:-}

@@ -1,13 +1,20 @@
 """Run a trained checkpoint on your own images: color masks and overlays, any image size.
 
-    python scripts/predict.py --checkpoint runs/voc/best.pt --input photo.jpg --output out/
+    python scripts/predict.py --checkpoint runs/voc/best.pt --input photo.jpg --output out/ --legend
     python scripts/predict.py --checkpoint runs/cityscapes/best.pt --input frames/ --output out/ --mode slide
 
 For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored
-with the dataset palette) and <output>/<name>_overlay.png (the image blended with the colors). With a
-folder, images are found recursively and the subfolders are kept. The image goes through the same
-normalization as training (data.transforms.normalize_batch) and engine.inference.predict; masks are at
-the original resolution (data.base_size > 0 predicts at that long side, then resizes the logits back).
+with the dataset palette) and <output>/<name>_overlay.png (the photo with the color of each class
+blended in at --alpha; pixels of the class named "background" keep the photo's own colors); --legend
+also writes <output>/legend.png (color and name of each class). With a folder, images are found
+recursively and the subfolders are kept. Photos are turned upright by their EXIF orientation (as
+viewers show them; the masks match the upright image). The image goes through the same normalization
+as training (data.transforms.normalize_batch) and engine.inference.predict, under the checkpoint's
+eval.amp unless --amp says otherwise; masks are at the original resolution (data.base_size > 0
+predicts at that long side, then resizes the logits back). An image whose long side is more than
+LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it are likely much larger than
+the model ever saw, so set data.base_size (or use --mode slide for a model trained on crops of such
+images).
 """
 from __future__ import annotations
 
@@ -25,19 +32,25 @@ if __package__ in (None, ""):  # run as `python scripts/predict.py`
 logger = logging.getLogger("predict")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+LARGE_IMAGE_FACTOR = 2  # warn when the long side predicted at exceeds this many training crops
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Predict segmentation masks for images with a trained checkpoint.")
-    parser.add_argument("--checkpoint", required=True, help="a .pt file written by train.py")
+    parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py (or a "
+                                                            ".safetensors file from scripts/export.py)")
     parser.add_argument("--input", required=True, help="an image file or a folder of images (searched recursively)")
     parser.add_argument("--output", required=True, help="folder for <name>_mask.png and <name>_overlay.png")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--mode", help="whole or slide (default: the checkpoint's eval.mode)")
     parser.add_argument("--scales", help="comma-separated test scales (default: the checkpoint's eval.scales)")
-    parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None, help="flip TTA")
+    parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                        help="also predict the mirrored image and average (default: the checkpoint's eval.flip)")
     parser.add_argument("--amp", help="autocast: off, fp16 or bf16 (default: the checkpoint's eval.amp)")
-    parser.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colors, 0..1")
+    parser.add_argument("--alpha", type=float, default=0.5,
+                        help="overlay opacity of the class colors, 0..1 (background pixels stay untouched)")
+    parser.add_argument("--legend", action="store_true", help="also write <output>/legend.png: each class color "
+                                                              "and name")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides, e.g. eval.window_size=769 eval.stride=512 data.base_size=1024")
     return parser.parse_intermixed_args(argv)
@@ -92,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.checkpoint import load_inference_model
     from engine.distributed import autocast_for, inference_device
     from engine.inference import predict
+    from engine.visualize import background_indices, legend_image, overlay
 
     if not 0.0 <= args.alpha <= 1.0:
         raise ValueError(f"--alpha {args.alpha} must lie in [0, 1]")
@@ -103,10 +117,22 @@ def run(args: argparse.Namespace) -> int:
     config, classes, model = loaded.config, loaded.classes, loaded.model
     palette = np.asarray(palette_for(config.data.dataset, len(classes)), dtype=np.uint8)
     eval_cfg, base_size = config.eval, config.data.base_size
+    uncoloured = background_indices(classes)
     output = Path(args.output)
+    large = []
     for image_path, stem in images:
-        image = read_image(image_path)  # H x W x 3 uint8 RGB; BadSampleError (a ValueError) if unreadable
+        # H x W x 3 uint8 RGB, upright as viewers show it; BadSampleError (a ValueError) if unreadable
+        image = read_image(image_path, exif_orientation=True)
         height, width = image.shape[:2]
+        if too_large(max(height, width), base_size=base_size, crop_size=config.data.crop_size, mode=eval_cfg.mode):
+            if not large:
+                logger.warning("%s is %dx%d, more than %d times the training crop (data.crop_size=%d): objects in it "
+                               "are probably far larger than the model saw in training, and it may mislabel them. "
+                               "Set data.base_size=%d to predict at a long side of that size (or use --mode slide "
+                               "with eval.window_size=%d if the model was trained on crops of images this large)",
+                               image_path, width, height, LARGE_IMAGE_FACTOR, config.data.crop_size,
+                               config.data.crop_size, config.data.crop_size)
+            large.append(image_path)
         batch = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].to(device)
         inputs = normalize_batch(batch, config.data.mean, config.data.std)
         if base_size > 0 and max(height, width) != base_size:
@@ -123,12 +149,24 @@ def run(args: argparse.Namespace) -> int:
         target = output / stem
         target.parent.mkdir(parents=True, exist_ok=True)
         palette_image(labels, palette).save(target.with_name(f"{target.name}_mask.png"))
-        overlay = (1 - args.alpha) * image.astype(np.float32) + args.alpha * palette[labels].astype(np.float32)
-        Image.fromarray(np.clip(np.rint(overlay), 0, 255).astype(np.uint8)).save(
+        Image.fromarray(overlay(image, labels, palette, alpha=args.alpha, uncoloured=uncoloured)).save(
             target.with_name(f"{target.name}_overlay.png"))
         present = ", ".join(classes[index] for index in np.unique(labels))
         logger.info("%s (%dx%d): %s", image_path, width, height, present)
+    if len(large) > 1:
+        logger.warning("%d of %d images were that large (see the warning above)", len(large), len(images))
+    if args.legend:
+        output.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4)))).save(
+            output / "legend.png")
     return len(images)
+
+
+def too_large(long_side: int, *, base_size: int, crop_size: int, mode: str) -> bool:
+    """Whether an image is predicted at a scale far beyond training's: in whole-image mode, its long
+    side (data.base_size when that resizes it) over LARGE_IMAGE_FACTOR training crops."""
+    predicted = base_size if base_size > 0 else long_side
+    return mode == "whole" and predicted > LARGE_IMAGE_FACTOR * crop_size
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import logging
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-from PIL import Image
+# numpy, PIL and scipy are imported where used, so that --help answers at once.
 
 logger = logging.getLogger("prepare_voc")
 
@@ -28,8 +28,9 @@ def read_ids(path: Path) -> list[str]:
     return [line.split()[0] for line in path.read_text().splitlines() if line.strip()]
 
 
-def load_sbd_mask(mat_path: Path) -> np.ndarray:
-    """The class-index mask of one SBD `cls/<id>.mat` (struct GTcls, field Segmentation)."""
+def load_sbd_mask(mat_path: Path) -> Any:
+    """The class-index mask (HxW uint8 numpy array) of one SBD `cls/<id>.mat` (struct GTcls, field Segmentation)."""
+    import numpy as np
     from scipy.io import loadmat
 
     try:
@@ -54,6 +55,9 @@ def resolve_sbd_dataset(sbd_root: Path) -> Path:
 
 def convert_one(job: tuple[str, str, str, str]) -> str:
     """Write one SegmentationClassAug PNG; returns the id."""
+    import numpy as np
+    from PIL import Image
+
     image_id, voc_png, sbd_mat, out_png = job
     if voc_png:
         with Image.open(voc_png) as image:
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--voc-root", required=True, type=Path, help="the VOC2012 folder")
     parser.add_argument("--sbd-root", required=True, type=Path, help="extracted SBD (benchmark_RELEASE)")
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=4,
+                        help="processes converting the masks in parallel (default 4; 1 converts in this process)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -73,18 +73,23 @@ def test_training_writes_checkpoints_events_metrics_and_eval_reproduces_val_miou
         assert record["lr"]["backbone"] == pytest.approx(1e-3 * factor, rel=1e-9)
         assert record["lr"]["head"] == pytest.approx(1e-3 * factor, rel=1e-9)  # demo: head_lr_mult 1
 
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    # the events are in the run dir: `tensorboard --logdir <parent>` names the run after its folder
+    assert list(run_dir.glob("events.out.tfevents.*")) and not (run_dir / "tensorboard").exists()
+    events = EventAccumulator(str(run_dir), size_guidance={"images": 0, "scalars": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
     for tag in ("train/loss", "train/lr/backbone", "train/lr/head", "train/images_per_s",
                 "train/data_wait_fraction", "train/peak_memory_mb", "val/miou", "val/pixel_acc"):
         assert tag in scalars, (tag, sorted(scalars))
     assert any(tag.startswith("val/iou/") for tag in scalars)
+    assert "val/num_images" not in scalars and all(v["num_images"] == 4 for v in val.values())  # jsonl only
+    assert "val/summary/text_summary" in events.Tags()["tensors"]
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     logged = {e.step: e.value for e in events.Scalars("val/miou")}
     assert logged[2] == pytest.approx(val[2]["miou"], rel=1e-6)
     image = events.Images("val/image_truth_prediction")[-1]
-    assert (image.width, image.height) == (3 * 32, 2 * 32)  # image | truth | prediction, 2 rows
+    # image | truth | prediction, 2 rows of 32 px panels enlarged 4x, under titles and above a legend
+    assert image.width == 3 * 128 + 2 * 2 and image.height > 2 * 128 + 2 + 40
 
     output = tmp_path / "eval.json"
     process = subprocess.run(

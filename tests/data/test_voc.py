@@ -122,7 +122,13 @@ def test_palette_image_roundtrip(tmp_path):
     reread = Image.open(tmp_path / "m.png")
     assert np.array_equal(np.asarray(reread), mask)
     rgb = np.asarray(reread.convert("RGB"))
-    assert tuple(rgb[1, 0]) == (0, 0, 0)  # ignore drawn black
-    assert tuple(rgb[0, 2]) == tuple(VOC_PALETTE[20])
+    assert tuple(rgb[1, 0]) == (224, 224, 192) == data.IGNORE_COLOR  # ignore in VOC's cream, not background black
+    assert tuple(rgb[0, 0]) == (0, 0, 0) and tuple(rgb[0, 2]) == tuple(VOC_PALETTE[20])
+    # another ignore value (a folder dataset's data.ignore_index) gets the cream; 255 is then just unused
+    other = np.asarray(data.palette_image(np.array([[7, 255]], dtype=np.uint8), VOC_PALETTE[:5], ignore_index=7)
+                       .convert("RGB"))
+    assert tuple(other[0, 0]) == data.IGNORE_COLOR and tuple(other[0, 1]) == (0, 0, 0)
+    # an ignore value that is a class index keeps the class colour (predictions never hold ignore)
+    assert tuple(data.palette_table(VOC_PALETTE, ignore_index=3)[3]) == tuple(VOC_PALETTE[3])
     with pytest.raises(ValueError, match="HxW"):
         data.palette_image(np.zeros((2, 2, 3), dtype=np.uint8), VOC_PALETTE)

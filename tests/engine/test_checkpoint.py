@@ -1,6 +1,9 @@
 """engine.checkpoint: atomic save, checked load, loading into a model for inference, resume resolution."""
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 import torch
 from torch import nn
@@ -150,3 +153,54 @@ def test_load_inference_model_rebuilds_the_model_with_its_weights_in_eval_mode(t
         assert torch.equal(loaded.model.state_dict()[key], value), key
     with pytest.raises(ValueError, match="best.pt.*trained as.*model.head_channels=8.*asks for.*model.head_channels=16"):
         load_inference_model(path, device=torch.device("cpu"), overrides=["model.head_channels=16"])
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
+    from engine.checkpoint import current_umask, save_safetensors
+
+    previous = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        save_checkpoint(tmp_path / "last.pt", {"format_version": 1, "model": {"w": torch.ones(2)}})
+        save_checkpoint(tmp_path / "last.pt", {"format_version": 1, "model": {"w": torch.zeros(2)}})  # replaced
+        save_safetensors(tmp_path / "best.safetensors", {"model": {"w": torch.ones(2)}})
+    finally:
+        os.umask(previous)
+    for name in ("last.pt", "best.safetensors"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == mode, name
+
+
+def test_weights_payload_keeps_what_inference_needs_and_a_best_pt_cannot_be_resumed(tmp_path):
+    from engine.checkpoint import RESUME_KEYS, WEIGHTS_KEYS, weights_payload
+
+    full = {**_payload(nn.Linear(3, 2)), "run_id": "r1", "overrides": {"train.iters": "5"}}
+    small = weights_payload(full, metrics={"miou": 0.5, "iou": [0.5, None]})
+    assert set(small) == set(WEIGHTS_KEYS) | {"metrics"}
+    assert not {"optimizer", "scheduler", "scaler", "rng", "overrides"} & set(small)
+    assert small["model"] is full["model"] and small["metrics"]["iou"] == [0.5, None]
+    save_checkpoint(tmp_path / "best.pt", small)
+    assert load_checkpoint(tmp_path / "best.pt")["metrics"] == {"miou": 0.5, "iou": [0.5, None]}
+    with pytest.raises(ValueError, match=r"best.pt' lacks required key\(s\) optimizer.*weights only.*last.pt"):
+        load_checkpoint(tmp_path / "best.pt", required_keys=RESUME_KEYS)
+
+
+def test_a_safetensors_release_file_loads_like_a_checkpoint(tmp_path):
+    from engine.checkpoint import peek_checkpoint, save_safetensors
+
+    path = tmp_path / "best.pt"
+    source = _model_checkpoint(path)
+    payload = load_checkpoint(path)
+    release = tmp_path / "best.safetensors"
+    save_safetensors(release, {**payload, "best_miou": 0.75, "metrics": {"miou": 0.75}})
+    loaded = load_checkpoint(release)
+    assert loaded["classes"] == payload["classes"] and loaded["iteration"] == 12 and loaded["metrics"]["miou"] == 0.75
+    assert from_dict(loaded["config"]) == from_dict(payload["config"])
+    for key, value in source.state_dict().items():
+        assert torch.equal(loaded["model"][key], value), key
+    assert peek_checkpoint(release)["best_miou"] == 0.75  # the metadata alone
+    model = load_inference_model(release, device=torch.device("cpu")).model
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in source.state_dict().items())
+    release.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="best.safetensors' could not be read"):
+        load_checkpoint(release)

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from engine.run_log import MetricsLog, flat_numbers, format_seconds, image_grid
+from engine.run_log import MetricsLog, flat_numbers, format_seconds, progress_bar, validation_markdown
 
 
 def test_metrics_log_restarts_for_a_fresh_run_and_trims_for_a_resume(tmp_path):
@@ -36,10 +36,67 @@ def test_format_seconds():
     assert format_seconds(-5) == "0m00s"
 
 
-def test_image_grid_pads_short_rows_black():
-    wide = [np.full((2, 3, 3), 7, np.uint8), np.full((2, 3, 3), 9, np.uint8)]
-    short = [np.full((2, 4, 3), 5, np.uint8)]
-    grid = image_grid([wide, short])
-    assert grid.shape == (4, 6, 3)
-    assert (grid[:2, :3] == 7).all() and (grid[:2, 3:] == 9).all()
-    assert (grid[2:, :4] == 5).all() and (grid[2:, 4:] == 0).all()
+def _events(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def test_events_sit_in_the_run_dir_without_constant_cards_and_with_a_summary(tmp_path):
+    log = MetricsLog(tmp_path, enabled=True)
+    metrics = {"miou": 0.5, "pixel_acc": 0.75, "mean_acc": 0.6, "fwiou": 0.55, "num_images": 4,
+               "iou": [0.25, None, 0.75]}
+    log.validation(metrics, classes=["bg", "absent", "thing"], step=2)
+    log.close()
+    assert list(tmp_path.glob("events.out.tfevents.*")) and not (tmp_path / "tensorboard").exists()
+    events = _events(tmp_path)
+    scalars = set(events.Tags()["scalars"])
+    assert {"val/miou", "val/pixel_acc", "val/iou/bg", "val/iou/thing"} <= scalars
+    assert "val/num_images" not in scalars and "val/iou/absent" not in scalars  # constant / undefined: no card
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["num_images"] == 4 and record["type"] == "val"  # kept in metrics.jsonl
+    summary = events.Tensors("val/summary/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert summary == validation_markdown(metrics, classes=["bg", "absent", "thing"], step=2)
+    assert "| mIoU | 50.00 |" in summary and "| absent | n/a |" in summary and "| thing | 75.00 |" in summary
+
+
+def test_a_resumed_run_keeps_writing_to_its_old_tensorboard_folder(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    legacy = tmp_path / "tensorboard"  # where runs of earlier versions wrote their events
+    old = SummaryWriter(str(legacy))
+    old.add_scalar("train/loss", 1.0, 1)
+    old.add_scalar("train/loss", 9.0, 2)  # logged after the checkpoint the run resumes from
+    old.close()
+    resumed = MetricsLog(tmp_path, enabled=True, resume_iteration=1)
+    resumed.scalars({"loss": 2.0}, step=2, prefix="train")
+    resumed.close()
+    assert [(e.step, e.value) for e in _events(legacy).Scalars("train/loss")] == [(1, 1.0), (2, 2.0)]  # purged
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    fresh = MetricsLog(tmp_path, enabled=True)  # a new run in that folder starts in the run dir itself
+    fresh.scalars({"loss": 3.0}, step=1, prefix="train")
+    fresh.close()
+    assert [e.value for e in _events(tmp_path).Scalars("train/loss")] == [3.0]
+
+
+def test_log_lines_go_above_the_progress_bar(capsys):
+    import logging
+
+    logger = logging.getLogger("tests.run_log")
+    handler = logging.StreamHandler()  # a console handler on the root logger, as train.py's basicConfig
+    logging.root.addHandler(handler)
+    try:
+        with progress_bar(enabled=True, total=3, initial=0) as bar:
+            bar.update(1)
+            during = list(logging.root.handlers)
+            logger.warning("a message")
+        assert handler in logging.root.handlers  # restored after the bar
+    finally:
+        logging.root.removeHandler(handler)
+    assert handler not in during and any(type(h).__name__ == "_TqdmLoggingHandler" for h in during)
+    err = capsys.readouterr().err
+    assert "a message\n" in err  # a whole line of its own (tqdm.write clears the bar first)
+    with progress_bar(enabled=False, total=3, initial=0) as bar:
+        assert bar is None

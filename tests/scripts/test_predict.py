@@ -65,6 +65,7 @@ def test_masks_and_overlays_for_a_folder_of_odd_sizes(checkpoint, tmp_path, caps
     assert np.array_equal(np.array(mask.convert("RGB")), palette[labels])
     overlay = np.array(Image.open(out / "first_overlay.png")).astype(np.float64)
     expected = 0.5 * first.astype(np.float64) + 0.5 * palette[labels]
+    expected[labels == 0] = first[labels == 0]  # class 0 is named background: the photo as it is
     assert overlay.shape == first.shape and np.abs(overlay - expected).max() <= 0.5
     second_mask = Image.open(out / "sub" / "second_mask.png")
     assert second_mask.size == (40, 61) and (out / "sub" / "second_overlay.png").is_file()
@@ -99,3 +100,83 @@ def test_errors_are_one_line(checkpoint, tmp_path, capsys):
                         str(tmp_path / "o"), "--device", "cpu", "model.backbone=resnet34"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "does not fit the model" in error[0]
+
+
+def _brightness_classes(model, inputs, *, num_classes, **settings):
+    """Stands in for engine.inference.predict: background where the normalized image is dark, class 2
+    where it is bright, so the mask follows the picture (and its orientation)."""
+    brightness = inputs.mean(1, keepdim=True)
+    logits = torch.full((inputs.shape[0], num_classes, *inputs.shape[-2:]), -10.0)
+    logits[:, :1], logits[:, 2:3] = -brightness, brightness
+    return logits
+
+
+def test_overlay_colours_objects_only_exif_turns_photos_upright_and_a_legend(checkpoint, tmp_path, monkeypatch):
+    import engine.inference
+
+    path, config, model, palette = checkpoint
+    monkeypatch.setattr(engine.inference, "predict", _brightness_classes)
+    stored = np.zeros((30, 50, 3), dtype=np.uint8)  # as the camera wrote it: bright on the left
+    stored[:, :20] = 230
+    stored[:, 20:] = 20 + np.random.default_rng(2).integers(0, 40, (30, 30, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to view"
+    Image.fromarray(stored).save(tmp_path / "phone.png", exif=exif)
+    out = tmp_path / "out"
+    assert _load_script().main(["--checkpoint", str(path), "--input", str(tmp_path / "phone.png"), "--output",
+                                str(out), "--device", "cpu", "--legend", "--alpha", "0.6"]) == 0
+    upright = np.rot90(stored, k=-1)  # what a viewer shows: 30 wide, 50 high, bright at the top
+    labels = np.array(Image.open(out / "phone_mask.png"))
+    assert labels.shape == (50, 30)
+    assert (labels[:20] == 2).all() and (labels[20:] == 0).all()
+    overlay = np.array(Image.open(out / "phone_overlay.png"))
+    assert np.array_equal(overlay[20:], upright[20:])  # background: the untouched photo, not darkened
+    expected = 0.4 * upright[:20].astype(float) + 0.6 * palette[2].astype(float)
+    assert np.abs(overlay[:20] - expected).max() <= 0.5
+    legend = np.array(Image.open(out / "legend.png").convert("RGB"))
+    assert all((legend == color).all(axis=-1).any() for color in palette[1:])
+
+
+def test_a_warning_for_images_far_larger_than_the_training_crop(checkpoint, tmp_path, caplog):
+    path = checkpoint[0]
+    for name in ("a", "b"):
+        Image.fromarray(np.zeros((40, 90, 3), dtype=np.uint8)).save(tmp_path / f"{name}.png")
+    common = ["--checkpoint", str(path), "--input", str(tmp_path), "--output", str(tmp_path / "o"), "--device", "cpu",
+              "data.crop_size=40"]
+    with caplog.at_level("WARNING"):
+        assert _load_script().main(common) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings  # one explanation, then a count
+    assert "a.png is 90x40, more than 2 times the training crop (data.crop_size=40)" in warnings[0]
+    assert "data.base_size=40" in warnings[0] and "--mode slide" in warnings[0]
+    assert warnings[1].startswith("2 of 2 images")
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # predicted at a long side of 60 px: at the training scale
+        assert _load_script().main([*common, "data.base_size=60"]) == 0
+        assert _load_script().main([*common, "--mode", "slide", "eval.window_size=40", "eval.stride=40"]) == 0
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path, monkeypatch):
+    import contextlib
+
+    import engine.distributed
+
+    path = checkpoint[0]
+    payload = torch.load(path, weights_only=True)
+    payload["config"]["eval"]["amp"] = "bf16"
+    bf16 = tmp_path / "bf16.pt"
+    save_checkpoint(bf16, payload)
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(tmp_path / "z.png")
+    used = []
+
+    def recording(device, precision):
+        used.append(precision)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(engine.distributed, "autocast_for", recording)
+    common = ["--input", str(tmp_path / "z.png"), "--output", str(tmp_path / "o"), "--device", "cpu"]
+    assert _load_script().main(["--checkpoint", str(bf16), *common]) == 0
+    assert _load_script().main(["--checkpoint", str(bf16), *common, "--amp", "off"]) == 0
+    assert _load_script().main(["--checkpoint", str(path), *common]) == 0
+    assert used == ["bf16", "off", "off"]

@@ -1,0 +1,125 @@
+"""Export a checkpoint (best.pt or last.pt) for deployment, and check the file against PyTorch.
+
+    python scripts/export.py --checkpoint runs/demo/best.pt --format onnx
+    python scripts/export.py --checkpoint runs/voc/best.pt --format exported --size 513,513 --output voc.pt2
+    python scripts/export.py --checkpoint runs/voc/best.pt --format safetensors   (weights for a release)
+
+The model takes normalized float32 images N x 3 x H x W (x / 255, then (x - mean) / std with the
+checkpoint's data.mean / data.std; the file's metadata repeats them and the class names) and returns
+the logits N x C x H x W. Batch, height and width are dynamic. After writing, the file is run on a
+random sample of --size and on a second size, and compared with PyTorch (ONNX through onnxruntime when
+it is installed). Exit status: 0 written and matching (or not checkable, with a message), 1 the file
+does not match PyTorch, 2 a bad command line or checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/export.py`
+    import _bootstrap  # noqa: F401  (puts the repository root on sys.path)
+
+# torch and the engine are imported after the arguments are parsed, so that --help answers at once.
+
+logger = logging.getLogger("export")
+
+FORMAT_CHOICES = ("onnx", "torchscript", "exported", "safetensors")  # engine.export.FORMATS (a test keeps them equal)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Export a syncseg checkpoint to ONNX, TorchScript, torch.export or safetensors, checked "
+                    "against PyTorch.",
+        epilog="Example: python scripts/export.py --checkpoint runs/demo/best.pt --format onnx --size 96,96")
+    parser.add_argument("--checkpoint", required=True, help="a .pt file written by train.py (best.pt or last.pt)")
+    parser.add_argument("--format", required=True, choices=FORMAT_CHOICES,
+                        help="onnx (torch.onnx dynamo exporter), torchscript (traced), exported (torch.export "
+                             ".pt2 program) or safetensors (the weights with config and classes as metadata, "
+                             "for a release; eval.py, predict.py and model.init_checkpoint read it)")
+    parser.add_argument("--size", metavar="H,W",
+                        help="height,width of the sample the model is exported and checked with (default: the "
+                             "checkpoint's data.crop_size); the file accepts other sizes too")
+    parser.add_argument("--output", metavar="PATH",
+                        help="where to write (default: beside the checkpoint, e.g. best.onnx, best.torchscript.pt, "
+                             "best.pt2, best.safetensors)")
+    return parser
+
+
+def parse_size(text: str | None, default: int) -> tuple[int, int]:
+    """'H,W' (or one number for a square) -> (H, W), each at least 32; ValueError otherwise."""
+    if text is None:
+        return max(32, default), max(32, default)
+    try:
+        values = [int(part) for part in text.replace("x", ",").split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or min(values) < 32:
+        raise ValueError(f"--size {text!r}: expected HEIGHT,WIDTH in pixels, each at least 32 (e.g. 513,513)")
+    return values[0], values[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.checkpoint import load_checkpoint, load_inference_model, save_safetensors
+    from engine.export import (SUFFIXES, MissingRuntimeError, check_against_pytorch, export_metadata, export_model,
+                               export_ready, load_runner, sample_inputs)
+
+    if args.size is not None:
+        parse_size(args.size, 0)  # a bad --size fails before the model is loaded
+    checkpoint = Path(args.checkpoint)
+    output = Path(args.output) if args.output else checkpoint.with_name(checkpoint.stem + SUFFIXES[args.format])
+    if output.resolve() == checkpoint.resolve():
+        raise ValueError(f"--output '{output}' is the checkpoint itself; choose another path")
+    if args.format == "safetensors":
+        payload = load_checkpoint(checkpoint)
+        save_safetensors(output, payload)
+        reread = load_checkpoint(output)
+        same = reread["model"].keys() == payload["model"].keys() and all(
+            torch.equal(reread["model"][key], value) for key, value in payload["model"].items())
+        if not same:
+            print(f"export.py: error: '{output}' does not hold the checkpoint's tensors", file=sys.stderr)
+            return 1
+        logger.info("wrote %s (%.1f MB): %d tensors, the config and classes as metadata; reads back identical",
+                    output, output.stat().st_size / 2**20, len(payload["model"]))
+        return 0
+    loaded = load_inference_model(checkpoint, device=torch.device("cpu"), overrides=["model.channels_last=false"])
+    module = export_ready(loaded.model)
+    height, width = parse_size(args.size, loaded.config.data.crop_size)
+    inputs = sample_inputs(height, width)
+    metadata = export_metadata(classes=loaded.classes, config=loaded.config, checkpoint=checkpoint,
+                               iteration=loaded.iteration)
+    dynamic = export_model(module, args.format, output, sample=inputs[0], metadata=metadata)
+    logger.info("wrote %s (%s, %d classes; %s)", output, args.format, len(loaded.classes), dynamic)
+    try:
+        runner = load_runner(args.format, output)
+    except MissingRuntimeError as missing:
+        logger.warning("%s", missing)
+        return 0
+    result = check_against_pytorch(module, runner, inputs)
+    if not result.passed:
+        print(f"export.py: error: '{output}' does not match PyTorch: {result.describe()}", file=sys.stderr)
+        return 1
+    logger.info("checked against PyTorch: %s", result.describe())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for chatty in ("onnx_ir", "onnxscript", "torch.onnx", "torch.export", "torch._export"):  # per-pass notes
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"export.py: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

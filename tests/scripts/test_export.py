@@ -1,0 +1,86 @@
+"""scripts/export.py: the CLI on a checkpoint it is given (the formats' numerics: tests/engine/test_export.py)."""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+from engine.config_io import load_config, to_dict
+
+TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "data.crop_size=32"]
+
+
+def _script():
+    return importlib.import_module("scripts.export")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from model.builder import build_model
+
+    config = load_config(None, TINY)
+    torch.manual_seed(0)
+    model = build_model(config.model, 3)
+    path = tmp_path_factory.mktemp("ckpt") / "best.pt"
+    save_checkpoint(path, {"format_version": FORMAT_VERSION, "model": model.state_dict(), "config": to_dict(config),
+                           "classes": ["background", "a", "b"], "iteration": 5, "best_miou": 0.5})
+    return path
+
+
+def test_torchscript_beside_the_checkpoint_with_metadata_and_a_check(checkpoint, caplog):
+    with caplog.at_level("INFO"):
+        assert _script().main(["--checkpoint", str(checkpoint), "--format", "torchscript", "--size", "32,48"]) == 0
+    output = checkpoint.with_name("best.torchscript.pt")
+    with zipfile.ZipFile(output) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("extra/syncseg.json"))
+        metadata = json.loads(archive.read(name))
+    assert metadata["classes"] == ["background", "a", "b"] and metadata["mean"] == [0.485, 0.456, 0.406]
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("checked against PyTorch" in m and "2x3x32x48, 1x3x24x60" in m for m in messages), messages
+
+
+def test_safetensors_release_copy_reads_back_identical(checkpoint, tmp_path):
+    output = tmp_path / "release.safetensors"
+    assert _script().main(["--checkpoint", str(checkpoint), "--format", "safetensors", "--output", str(output)]) == 0
+    original, release = load_checkpoint(checkpoint), load_checkpoint(output)
+    assert release["classes"] == original["classes"] and release["best_miou"] == 0.5
+    assert all(torch.equal(release["model"][k], v) for k, v in original["model"].items())
+
+
+def test_onnx_without_onnxruntime_writes_the_file_and_says_it_was_not_checked(checkpoint, tmp_path, monkeypatch,
+                                                                              caplog):
+    import engine.export
+
+    def fake_export(module, fmt, path, *, sample, metadata):  # the real exporter: tests/engine/test_export.py
+        path.write_bytes(b"onnx")
+        return "dynamic"
+
+    monkeypatch.setattr(engine.export, "export_model", fake_export)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with caplog.at_level("WARNING"):
+        assert _script().main(["--checkpoint", str(checkpoint), "--format", "onnx", "--output",
+                               str(tmp_path / "m.onnx")]) == 0
+    assert (tmp_path / "m.onnx").is_file()
+    assert any("onnxruntime is not installed" in r.getMessage() and "not checked" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--size", "8,8"], "--size '8,8'"),
+    (["--output", "{checkpoint}"], "is the checkpoint itself"),
+])
+def test_bad_arguments_are_one_line(checkpoint, args, fragment, capsys):
+    args = [arg.replace("{checkpoint}", str(checkpoint)) for arg in args]
+    assert _script().main(["--checkpoint", str(checkpoint), "--format", "torchscript", *args]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and fragment in error[0]
+
+
+def test_a_missing_checkpoint_names_it(tmp_path, capsys):
+    assert _script().main(["--checkpoint", str(tmp_path / "nope.pt"), "--format", "onnx"]) == 2
+    assert "nope.pt" in capsys.readouterr().err
