@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     if is_main:
         logger.info("evaluating %s (iteration %s) on %s/%s: %d images, mode=%s%s, scales=%s, flip=%s, amp=%s, "
                     "device %s", args.checkpoint, loaded.iteration, config.data.dataset, split, len(dataset),
-                    eval_cfg.mode, f" window={eval_cfg.window_size} stride={eval_cfg.stride}"
+                    eval_cfg.mode, f" window={'x'.join(map(str, eval_cfg.window_size))} stride={'x'.join(map(str, eval_cfg.stride))}"
                     if eval_cfg.mode == "slide" else "", ",".join(map(str, eval_cfg.scales)), eval_cfg.flip,
                     eval_cfg.amp, device)
     metrics = evaluate(loaded.model, loader, num_classes=len(classes), device=device, mean=config.data.mean,

@@ -11,9 +11,9 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
+from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -42,6 +42,15 @@ def _limited(default: Any, limit: Limit) -> Any:
     return field(default=default, metadata={"limit": limit})
 
 
+@dataclass(frozen=True)
+class SquareIfOne:
+    """Marks a (height, width) field: one integer (in a file, on the command line, in an old
+    checkpoint's config) means a square, so `data.crop_size=513` is (513, 513)."""
+
+
+PixelSize = Annotated[tuple[int, int], SquareIfOne()]  # (height, width) in pixels
+
+
 _POSITIVE = Limit(ge=1)
 _NON_NEGATIVE = Limit(ge=0)
 _LABEL = Limit(ge=0, le=255)  # masks are 8-bit PNGs
@@ -55,7 +64,7 @@ class DataConfig:
     root: str = ""  # dataset root folder (unused by synthetic)
     train_split: str = "train"  # voc: train | train_aug; cityscapes: train; folder: a list-file stem or "all"
     val_split: str = "val"
-    crop_size: int = _limited(513, _POSITIVE)  # square training crop, pixels
+    crop_size: PixelSize = _limited((513, 513), _POSITIVE)  # training crop H,W (one int: square), pixels
     scale_range: tuple[float, float] = _limited((0.5, 2.0), Limit(gt=0))  # random rescale factors, low <= high
     base_size: int = _limited(0, _NON_NEGATIVE)  # eval: resize the long side to this many pixels (0 = as is)
     hflip: bool = True
@@ -115,8 +124,8 @@ class TrainConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     mode: Literal["whole", "slide"] = "whole"
-    window_size: int = _limited(513, _POSITIVE)  # slide: square window, pixels
-    stride: int = _limited(341, _POSITIVE)  # slide: window step, <= window_size
+    window_size: PixelSize = _limited((513, 513), _POSITIVE)  # slide: window H,W (one int: square), pixels
+    stride: PixelSize = _limited((341, 341), _POSITIVE)  # slide: window step H,W, <= window_size on each axis
     scales: tuple[float, ...] = _limited((1.0,), Limit(gt=0))
     flip: bool = False
     batch_size: int = _limited(1, _POSITIVE)
@@ -151,7 +160,12 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """Field name -> annotation, with `Annotated` markers kept (engine.config_io converts by them)."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def all_keys() -> list[str]:
@@ -181,9 +195,8 @@ def _check_fields(section_name: str, section: Any, source: str) -> None:
         limit = item.metadata.get("limit")
         values = value if isinstance(value, tuple) else (value,)
         if limit is not None and any(limit.violated_by(v) for v in values):
-            shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
             each = "every value " if isinstance(value, tuple) else ""
-            raise ValueError(f"{source}: {key}={shown}: {each}must be {limit.describe()}")
+            raise ValueError(f"{source}: {key}={_shown(value)}: {each}must be {limit.describe()}")
 
 
 def validate(config: Config, *, source: str = "config") -> None:
@@ -196,9 +209,11 @@ def validate(config: Config, *, source: str = "config") -> None:
         raise ValueError(f"{source}: data.scale_range={low},{high} must satisfy low <= high")
     if not evaluation.scales:
         raise ValueError(f"{source}: eval.scales is empty; give at least one test scale (e.g. 1.0)")
-    if evaluation.mode == "slide" and evaluation.stride > evaluation.window_size:
-        raise ValueError(f"{source}: eval.stride={evaluation.stride} > eval.window_size={evaluation.window_size} "
-                         "would leave pixels between the sliding windows uncovered; use a stride <= the window")
+    stride, window = height_width(evaluation.stride), height_width(evaluation.window_size)
+    if evaluation.mode == "slide" and any(step > size for step, size in zip(stride, window)):
+        raise ValueError(f"{source}: eval.stride={_shown(stride)} > eval.window_size={_shown(window)} (height,width) "
+                         "would leave pixels between the sliding windows uncovered; use a stride <= the window "
+                         "on both axes")
     if data.dataset in FIXED_CLASS_DATASETS and data.num_classes:
         raise ValueError(f"{source}: data.num_classes={data.num_classes} but dataset '{data.dataset}' has a fixed "
                          "class list; leave data.num_classes at 0 (or use dataset 'folder' for a custom label set)")

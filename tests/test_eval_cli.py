@@ -122,7 +122,7 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     capsys.readouterr()
     assert runs["scale1"]["iou"] == runs["plain"]["iou"]
     assert runs["bigslide"]["iou"] == runs["plain"]["iou"]  # window larger than the 48 px images
-    assert runs["tta"]["protocol"] == {"mode": "slide", "window_size": 40, "stride": 24, "scales": [0.75, 1.0],
+    assert runs["tta"]["protocol"] == {"mode": "slide", "window_size": [40, 40], "stride": [24, 24], "scales": [0.75, 1.0],
                                        "flip": True, "base_size": 0, "amp": "off", "ignore_index": 255}
     assert runs["tta"]["num_images"] == 2
 
@@ -133,7 +133,7 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     (["model.head_channels=16"], "shape mismatch"),
     (["data.num_classes=4"], "predicts 6 classes"),
     (["no.such_key=1"], "unknown config key"),
-    (["--mode", "slide", "eval.window_size=32", "eval.stride=40"], "eval.stride=40 > eval.window_size=32"),
+    (["--mode", "slide", "eval.window_size=32", "eval.stride=40"], "eval.stride=40,40 > eval.window_size=32,32"),
     (["--mode", "tiles"], "eval.mode='tiles' is not one of whole, slide"),
     (["--amp", "fp8"], "eval.amp='fp8' is not one of off, fp16, bf16"),
     (["--device", "tpu"], "--device 'tpu'"),
