@@ -27,7 +27,7 @@ from engine.checkpoint import (
     FORMAT_VERSION,
     RESUME_KEYS,
     first_non_finite,
-    load_checkpoint,
+    init_from_weights,
     load_model_weights,
     save_checkpoint,
 )
@@ -48,7 +48,7 @@ from engine.samplers import (
 )
 from engine.seeding import capture_rng_state, mix_seed, restore_rng_state, seed_process
 from engine.signals import StopRequest
-from model.builder import build_model, build_param_groups, load_segmentation_weights
+from model.builder import build_model, build_param_groups
 from model.norm import synchronizes_statistics
 from model.sync_batchnorm import DataParallelWithCallback
 
@@ -136,10 +136,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------- setup
     def _build_model(self, *, init_weights: bool) -> nn.Module:
         model = build_model(self.config.model, self.num_classes)
-        init = self.config.model.init_checkpoint
-        if init and init_weights:
-            skipped = load_segmentation_weights(model, load_checkpoint(init)["model"])
-            logger.info("initialized from %s%s", init, f" (skipped {', '.join(skipped)}: shape differs)" if skipped else "")
+        if self.config.model.init_checkpoint and init_weights:
+            init_from_weights(model, self.config.model.init_checkpoint, model_cfg=self.config.model)
         model.to(self.device)
         if self.config.model.channels_last:
             model.to(memory_format=torch.channels_last)
