@@ -100,7 +100,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     iters: int = _limited(30000, _POSITIVE)
-    batch_size: int = _limited(16, _POSITIVE)  # global batch over all devices / processes
+    batch_size: int = _limited(16, _POSITIVE)  # global batch per optimizer step, over all devices / processes
+    accumulate: int = _limited(1, _POSITIVE)  # micro-batches per optimizer step (gradient accumulation)
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = _limited(0.01, Limit(gt=0))
     momentum: float = _limited(0.9, _NON_NEGATIVE)
@@ -214,6 +215,14 @@ def validate(config: Config, *, source: str = "config") -> None:
         raise ValueError(f"{source}: eval.stride={_shown(stride)} > eval.window_size={_shown(window)} (height,width) "
                          "would leave pixels between the sliding windows uncovered; use a stride <= the window "
                          "on both axes")
+    train = config.train
+    if train.accumulate > train.batch_size:
+        raise ValueError(f"{source}: train.accumulate={train.accumulate} > train.batch_size={train.batch_size}: the "
+                         "global batch is split into train.accumulate micro-batches of at least one sample each")
+    if train.accumulate > 1 and train.ohem:
+        raise ValueError(f"{source}: train.ohem with train.accumulate={train.accumulate}: OHEM picks its pixels and "
+                         "its normalizer from each forward pass, so the accumulated gradient would not be the global "
+                         "batch's; use train.accumulate=1 (a smaller train.batch_size) or train.ohem=false")
     if data.dataset in FIXED_CLASS_DATASETS and data.num_classes:
         raise ValueError(f"{source}: data.num_classes={data.num_classes} but dataset '{data.dataset}' has a fixed "
                          "class list; leave data.num_classes at 0 (or use dataset 'folder' for a custom label set)")

@@ -23,6 +23,7 @@ from torch import nn
 
 from data import build_dataset
 from data.transforms import normalize_batch
+from engine.accumulation import describe_batches, gradient_sync, step_normalizer
 from engine.checkpoint import (
     FORMAT_VERSION,
     RESUME_KEYS,
@@ -43,7 +44,6 @@ from engine.samplers import (
     build_eval_loader,
     build_train_loader,
     shutdown_workers,
-    split_batch,
     train_batches,
 )
 from engine.seeding import capture_rng_state, mix_seed, restore_rng_state, seed_process
@@ -111,7 +111,8 @@ class Trainer:
         if resume is not None:
             self._load_training_state(resume)
         self.sampler = ResumableBatchSampler(len(self.train_set), global_batch=train_cfg.batch_size,
-                                             seed=train_cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size)
+                                             seed=train_cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size,
+                                             accumulate=train_cfg.accumulate)
         pin = self.device.type == "cuda"
         self.train_loader = build_train_loader(self.train_set, self.sampler, num_workers=data_cfg.num_workers,
                                                pin_memory=pin, seed=train_cfg.seed)
@@ -182,18 +183,10 @@ class Trainer:
             torch.manual_seed(mix_seed(self.config.train.seed, "train", self.dist.rank, self.iteration))
 
     def _describe(self) -> None:
-        norm = self.config.model.norm
-        if self.dist.num_replicas == 1:
-            sync = "single device (plain batch norm)"
-        elif not synchronizes_statistics(norm):
-            sync = "not synchronized (per process)" if self.dist.mode == "ddp" else "not synchronized (per GPU)"
-        else:
-            sync = ("across the processes through torch.distributed" if self.dist.mode == "ddp"
-                    else "across the GPUs (DataParallelWithCallback)")
-        shares = split_batch(self.config.train.batch_size, self.dist.num_replicas)
-        per_device = f"{shares[0]}" if len(set(shares)) == 1 else ",".join(map(str, shares))
-        logger.info("%s; global batch %d, per-device batch %s; BN statistics %s; amp=%s", self.dist.describe(),
-                    self.config.train.batch_size, per_device, sync, self.config.train.amp)
+        sync = self.dist.describe_batch_norm(synchronized=synchronizes_statistics(self.config.model.norm))
+        batches = describe_batches(self.config.train.batch_size, accumulate=self.config.train.accumulate,
+                                   num_replicas=self.dist.num_replicas)
+        logger.info("%s; %s; BN statistics %s; amp=%s", self.dist.describe(), batches, sync, self.config.train.amp)
         logger.info("%d training / %d validation images, %d classes, %d batches per epoch; run dir %s",
                     len(self.train_set), len(self.val_set), self.num_classes, self.sampler.batches_per_epoch,
                     self.run_dir)
@@ -213,9 +206,9 @@ class Trainer:
                                                             initial=self.iteration) as bar, self._flushing_log():
             while self.iteration < stop_at:
                 wait_start = time.perf_counter()
-                images, masks = next(self.batches)
+                micro_batches = [next(self.batches) for _ in range(self.config.train.accumulate)]
                 throughput.add(images=self.config.train.batch_size, data_seconds=time.perf_counter() - wait_start)
-                self._pending_losses.append((self.iteration + 1, self.train_step(images, masks)))
+                self._pending_losses.append((self.iteration + 1, self.train_step(micro_batches)))
                 self.iteration += 1
                 stopped = stop.agreed() and self.iteration < stop_at
                 validate, checkpoint, log = self._due(stop_at)
@@ -258,26 +251,30 @@ class Trainer:
         checkpoint = it % train_cfg.ckpt_interval == 0 or at_end or it == stop_at
         return validate, checkpoint, it % train_cfg.log_interval == 0 or it == stop_at
 
-    def train_step(self, images: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on a uint8 image batch; returns the detached loss share of this process
-        (the sum over processes is the global batch's loss)."""
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step on train.accumulate (uint8 images, masks) micro-batches (engine.accumulation);
+        returns the detached loss share of this process (the sum over processes is the global batch's loss)."""
         data_cfg = self.config.data
-        images = images.to(self.device, non_blocking=True)
-        masks = masks.to(self.device, non_blocking=True)
-        inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
-        if self.config.model.channels_last:
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
-        with autocast_for(self.device, self.config.train.amp):
-            outputs = self.train_model(inputs)
-        loss = self.criterion(outputs, masks)
+        micro_batches = [(images.to(self.device, non_blocking=True), masks.to(self.device, non_blocking=True))
+                         for images, masks in micro_batches]
+        normalizer = step_normalizer(self.criterion, [masks for _, masks in micro_batches])
         self.optimizer.zero_grad(set_to_none=True)
-        # DDP averages gradients over processes; scaling by the world size makes that the sum of the
-        # processes' shares of the global loss.
-        self.scaler.scale(loss * self.dist.world_size).backward()
+        for index, (images, masks) in enumerate(micro_batches):
+            with gradient_sync(self.train_model, last=index == len(micro_batches) - 1):
+                inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
+                if self.config.model.channels_last:
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+                with autocast_for(self.device, self.config.train.amp):
+                    outputs = self.train_model(inputs)
+                loss = self.criterion(outputs, masks, step_weight=normalizer)
+                # DDP averages gradients over processes; scaling by the world size makes that the sum of the
+                # processes' shares of the global loss.
+                self.scaler.scale(loss * self.dist.world_size).backward()
+            total = loss.detach() if index == 0 else total + loss.detach()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        return loss.detach()
+        return total
 
     def _record_losses(self, result: TrainResult) -> None:
         """Move the pending per-step losses (summed over processes) into result.losses."""

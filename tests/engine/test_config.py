@@ -199,6 +199,7 @@ def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources(
     ("data.crop_size=512,0", "data.crop_size=512,0: every value must be >= 1"),
     ("train.iters=0", "train.iters=0: must be >= 1"),
     ("train.batch_size=-2", "train.batch_size=-2: must be >= 1"),
+    ("train.accumulate=0", "train.accumulate=0: must be >= 1"),
     ("train.lr=0", "train.lr=0.0: must be > 0"),
     ("train.ohem_thresh=1.5", "train.ohem_thresh=1.5: must be > 0 and <= 1"),
     ("train.class_weights=1,-1", "train.class_weights=1.0,-1.0: every value must be >= 0"),
@@ -231,6 +232,11 @@ def test_cross_field_rules():
         load_config(None, ["eval.mode=slide", "eval.window_size=512", "eval.stride=300,600"])
     assert load_config(None, ["eval.mode=slide", "eval.window_size=512,1024", "eval.stride=300,600"])
     assert load_config(None, ["eval.mode=whole", "eval.stride=600"]).eval.stride == (600, 600)  # only slide uses it
+    with pytest.raises(ValueError, match="train.accumulate=5 > train.batch_size=4"):
+        load_config(None, ["train.batch_size=4", "train.accumulate=5"])
+    with pytest.raises(ValueError, match="train.ohem with train.accumulate=2: OHEM picks its pixels"):
+        load_config(None, ["train.ohem=true", "train.accumulate=2"])
+    assert load_config(None, ["train.ohem=true", "train.accumulate=1"]).train.ohem
     with pytest.raises(ValueError, match="dataset 'voc' has a fixed class list"):
         load_config(None, ["data.dataset=voc", "data.num_classes=5"])
     with pytest.raises(ValueError, match="dataset 'folder' needs data.num_classes"):
