@@ -55,15 +55,16 @@ _POSITIVE = Limit(ge=1)
 _NON_NEGATIVE = Limit(ge=0)
 _LABEL = Limit(ge=0, le=255)  # masks are 8-bit PNGs
 SYNTHETIC_MAX_CLASSES = 8  # background + data.synthetic.SHAPE_NAMES (a test keeps the two equal)
-FIXED_CLASS_DATASETS = ("voc", "cityscapes")  # their class lists come with the dataset
+FIXED_CLASS_DATASETS = ("voc", "cityscapes", "ade20k")  # their class lists come with the dataset
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: Literal["voc", "cityscapes", "synthetic", "folder"] = "synthetic"
+    dataset: Literal["voc", "cityscapes", "ade20k", "synthetic", "folder"] = "synthetic"
     root: str = ""  # dataset root folder (unused by synthetic)
-    train_split: str = "train"  # voc: train | train_aug; cityscapes: train; folder: a list-file stem or "all"
-    val_split: str = "val"
+    # voc: train | train_aug; cityscapes: train; ade20k: training (= train); folder: a list-file stem or "all"
+    train_split: str = "train"
+    val_split: str = "val"  # ade20k: validation (= val)
     crop_size: PixelSize = _limited((513, 513), _POSITIVE)  # training crop H,W (one int: square), pixels
     scale_range: tuple[float, float] = _limited((0.5, 2.0), Limit(gt=0))  # random rescale factors, low <= high
     base_size: int = _limited(0, _NON_NEGATIVE)  # eval: resize the long side to this many pixels (0 = as is)

@@ -42,7 +42,7 @@ def test_builders_build_exactly_the_configured_choices():
 
 
 def test_every_shipped_config_loads():
-    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml"):
+    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml", "ade20k.yaml"):
         config = load_config(name)
         assert config.name and config.run_dir.name == config.name
 
@@ -186,7 +186,7 @@ def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources(
 
 # -------------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("override,message", [
-    ("data.dataset=imagenet", "data.dataset='imagenet' is not one of voc, cityscapes, synthetic, folder"),
+    ("data.dataset=imagenet", "data.dataset='imagenet' is not one of voc, cityscapes, ade20k, synthetic, folder"),
     ("model.arch=unet", "model.arch='unet' is not one of deeplabv3, deeplabv3plus"),
     ("model.backbone=resnet152", "model.backbone='resnet152' is not one of resnet18"),
     ("model.output_stride=32", "model.output_stride=32 is not one of 8, 16"),
