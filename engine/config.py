@@ -87,7 +87,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: Literal["deeplabv3", "deeplabv3plus"] = "deeplabv3plus"
-    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_large"] = "resnet50"
+    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v2", "mobilenet_v3_large"] = "resnet50"
     output_stride: Literal[8, 16] = 16
     pretrained_backbone: str = "none"  # none | imagenet | path to a backbone state dict
     init_checkpoint: str = ""  # segmentation checkpoint to fine-tune from (classifier skipped on mismatch)
