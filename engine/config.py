@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
+from model.timm_encoder import TIMM_PREFIX
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -40,6 +41,11 @@ class Limit:
 
 def _limited(default: Any, limit: Limit) -> Any:
     return field(default=default, metadata={"limit": limit})
+
+
+def _or_prefixed(default: Any, prefix: str, meaning: str) -> Any:
+    """A Literal field that also takes `<prefix><name>` (any non-empty name), e.g. model.backbone=timm:<name>."""
+    return field(default=default, metadata={"prefix": prefix, "prefix_meaning": meaning})
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: Literal["deeplabv3", "deeplabv3plus"] = "deeplabv3plus"
-    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v2", "mobilenet_v3_large"] = "resnet50"
+    # torchvision backbones, or timm:<name> for a timm encoder (model/timm_encoder.py checks the name)
+    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v2", "mobilenet_v3_large"] = (
+        _or_prefixed("resnet50", TIMM_PREFIX, "a timm encoder"))
     output_stride: Literal[8, 16] = 16
     pretrained_backbone: str = "none"  # none | imagenet | path to a backbone state dict
     init_checkpoint: str = ""  # segmentation checkpoint to fine-tune from (classifier skipped on mismatch)
@@ -191,8 +199,12 @@ def _check_fields(section_name: str, section: Any, source: str) -> None:
     types = field_types(type(section))
     for item in dataclasses.fields(section):
         key, value, annotation = f"{section_name}.{item.name}", getattr(section, item.name), types[item.name]
-        if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation):
+        prefix = item.metadata.get("prefix")
+        prefixed = prefix is not None and isinstance(value, str) and value.startswith(prefix) and value != prefix
+        if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation) and not prefixed:
             allowed = ", ".join(map(str, typing.get_args(annotation)))
+            if prefix is not None:
+                allowed += f", or {prefix}<name> ({item.metadata['prefix_meaning']})"
             raise ValueError(f"{source}: {key}={value!r} is not one of {allowed}")
         limit = item.metadata.get("limit")
         values = value if isinstance(value, tuple) else (value,)

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
 from model.norm import NormLayer
+from model.timm_encoder import build_timm_backbone, timm_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -202,18 +203,24 @@ _CONSTRUCTORS: dict[str, Callable[..., nn.Module]] = {
 
 
 def backbone_names() -> tuple[str, ...]:
-    """The backbones this module builds (a test checks they equal the config's choices)."""
+    """The torchvision backbones this module builds (a test checks they equal the config's choices; timm
+    encoders are named `timm:<name>`)."""
     return tuple(_CONSTRUCTORS)
 
 
 def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str = "none") -> nn.Module:
     """A backbone by name with randomly initialized or pretrained weights.
 
-    `name` and `output_stride` (8 or 16) are values the config validated. pretrained: "none"
-    (torchvision's random init), "imagenet" (torchvision's ImageNet checkpoint from the local torch hub
-    cache, see `imagenet_weights_file`; never downloaded), or a path to a state dict. Raises ValueError
-    for mismatching weights, FileNotFoundError for a missing weights file.
+    `name` and `output_stride` (8 or 16) are values the config validated; `timm:<name>` is a timm encoder
+    (model/timm_encoder.py). pretrained: "none" (torchvision's random init), "imagenet" (torchvision's
+    ImageNet checkpoint from the local torch hub cache, see `imagenet_weights_file`; never downloaded),
+    or a path to a state dict. Raises ValueError for mismatching weights, FileNotFoundError for a
+    missing weights file.
     """
+    timm_name = timm_model_name(name)
+    if timm_name is not None:
+        return build_timm_backbone(timm_name, output_stride=output_stride, norm_layer=norm_layer,
+                                   pretrained=pretrained)
     backbone = _CONSTRUCTORS[name](output_stride=output_stride, norm_layer=norm_layer)
     if pretrained in ("", "none"):
         return backbone
