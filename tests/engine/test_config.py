@@ -42,7 +42,7 @@ def test_builders_build_exactly_the_configured_choices():
 
 
 def test_every_shipped_config_loads():
-    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml", "ade20k.yaml"):
+    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml", "cityscapes_512x1024.yaml", "ade20k.yaml"):
         config = load_config(name)
         assert config.name and config.run_dir.name == config.name
 
