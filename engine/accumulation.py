@@ -46,15 +46,16 @@ def step_normalizer(criterion: SegmentationLoss, masks: Sequence[torch.Tensor]) 
     return total[0]
 
 
-def describe_batches(global_batch: int, *, accumulate: int, num_replicas: int) -> str:
-    """`global batch 16, per-device batch 4` (plus the micro-batches when accumulating), for the log."""
+def describe_batches(global_batch: int, *, accumulate: int, num_replicas: int, batch_norm: str) -> str:
+    """For the log: `global batch 16, per-device batch 4; BN statistics <batch_norm>`, with the
+    micro-batches (and BN statistics "per micro-batch") when accumulating."""
     micro = split_batch(global_batch, accumulate)
     shares = [share for size in micro for share in split_batch(size, num_replicas)]
     per_device = f"{shares[0]}" if len(set(shares)) == 1 else ",".join(map(str, shares[:num_replicas]))
     if accumulate == 1:
-        return f"global batch {global_batch}, per-device batch {per_device}"
+        return f"global batch {global_batch}, per-device batch {per_device}; BN statistics {batch_norm}"
     sizes = f"{micro[0]}" if len(set(micro)) == 1 else ",".join(map(str, micro))
     if len(set(shares)) > 1:
         per_device = ",".join(map(str, sorted(set(shares), reverse=True)))
     return (f"global batch {global_batch} in {accumulate} accumulated micro-batches of {sizes}, per-device "
-            f"batch {per_device} (BN statistics per micro-batch)")
+            f"batch {per_device}; BN statistics per micro-batch, {batch_norm}")

@@ -185,8 +185,8 @@ class Trainer:
     def _describe(self) -> None:
         sync = self.dist.describe_batch_norm(synchronized=synchronizes_statistics(self.config.model.norm))
         batches = describe_batches(self.config.train.batch_size, accumulate=self.config.train.accumulate,
-                                   num_replicas=self.dist.num_replicas)
-        logger.info("%s; %s; BN statistics %s; amp=%s", self.dist.describe(), batches, sync, self.config.train.amp)
+                                   num_replicas=self.dist.num_replicas, batch_norm=sync)
+        logger.info("%s; %s; amp=%s", self.dist.describe(), batches, self.config.train.amp)
         logger.info("%d training / %d validation images, %d classes, %d batches per epoch; run dir %s",
                     len(self.train_set), len(self.val_set), self.num_classes, self.sampler.batches_per_epoch,
                     self.run_dir)

@@ -88,10 +88,12 @@ def test_step_normalizer_is_the_valid_pixel_weight_of_the_whole_step():
 
 
 def test_describe_batches_states_micro_batches_and_per_micro_batch_statistics():
-    assert describe_batches(8, accumulate=1, num_replicas=3) == "global batch 8, per-device batch 3,3,2"
-    assert describe_batches(16, accumulate=2, num_replicas=2) == (
-        "global batch 16 in 2 accumulated micro-batches of 8, per-device batch 4 (BN statistics per micro-batch)")
-    assert "micro-batches of 4,3,3, per-device batch 2,1" in describe_batches(10, accumulate=3, num_replicas=2)
+    assert describe_batches(8, accumulate=1, num_replicas=3, batch_norm="synced") == (
+        "global batch 8, per-device batch 3,3,2; BN statistics synced")
+    assert describe_batches(16, accumulate=2, num_replicas=2, batch_norm="synced") == (
+        "global batch 16 in 2 accumulated micro-batches of 8, per-device batch 4; BN statistics per micro-batch, synced")
+    assert "micro-batches of 4,3,3, per-device batch 2,1;" in describe_batches(10, accumulate=3, num_replicas=2,
+                                                                                 batch_norm="synced")
 
 
 @pytest.mark.slow
