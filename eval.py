@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                       "same numbers)")
     parser.add_argument("--save-predictions", metavar="DIR",
                         help="write DIR/color/<name>.png (palette) and DIR/labels/<name>.png (class ids; "
-                             "Cityscapes: labelIds for the benchmark server)")
+                             "Cityscapes: labelIds, ADE20K: 1..150, as the benchmark servers expect)")
     parser.add_argument("--output", metavar="JSON", help="write the metrics and the evaluation protocol here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--print-config", action="store_true",
@@ -108,6 +108,7 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
     from PIL import Image
 
     from data import palette_image
+    from data.ade20k import CLASS_TO_RAW
     from data.cityscapes import TRAINID_TO_LABELID
 
     color_dir, label_dir = output_dir / "color", output_dir / "labels"
@@ -115,7 +116,8 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
     label_dir.mkdir(parents=True, exist_ok=True)
     batches = list(loader.batch_sampler)  # the shard's indices, in the order the loader yields them
     palette = np.asarray(dataset.palette, dtype=np.uint8)
-    to_label_ids = TRAINID_TO_LABELID if config.data.dataset == "cityscapes" else None
+    # the benchmark servers' raw label values: Cityscapes labelIds, ADE20K 1..150
+    to_label_ids = {"cityscapes": TRAINID_TO_LABELID, "ade20k": CLASS_TO_RAW}.get(config.data.dataset)
 
     def save_batch(batch_index: int, predictions: Any, masks: Any) -> None:
         for index, prediction in zip(batches[batch_index], predictions.numpy().astype(np.uint8)):
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     if is_main:
         logger.info("evaluating %s (iteration %s) on %s/%s: %d images, mode=%s%s, scales=%s, flip=%s, amp=%s, "
                     "device %s", args.checkpoint, loaded.iteration, config.data.dataset, split, len(dataset),
-                    eval_cfg.mode, f" window={eval_cfg.window_size} stride={eval_cfg.stride}"
+                    eval_cfg.mode, f" window={'x'.join(map(str, eval_cfg.window_size))} stride={'x'.join(map(str, eval_cfg.stride))}"
                     if eval_cfg.mode == "slide" else "", ",".join(map(str, eval_cfg.scales)), eval_cfg.flip,
                     eval_cfg.amp, device)
     metrics = evaluate(loaded.model, loader, num_classes=len(classes), device=device, mean=config.data.mean,

@@ -1,4 +1,4 @@
-"""Segmentation datasets (VOC, Cityscapes, synthetic, folder) and their albumentations pipelines.
+"""Segmentation datasets (VOC, Cityscapes, ADE20K, synthetic, folder) and their albumentations pipelines.
 
 Every dataset yields (image: uint8 tensor 3xHxW, mask: int64 tensor HxW, `ignore_index` = unlabeled)
 and carries `classes`, `palette` (num_classes x 3 uint8), `num_classes`, `ignore_index` and
@@ -18,6 +18,7 @@ from typing import Any, Callable  # noqa: E402
 
 from torch.utils.data import Dataset  # noqa: E402
 
+from data.ade20k import ADE20KSegmentation  # noqa: E402
 from data.base import IGNORE_COLOR, BadSampleError, SegmentationDataset, bit_palette, palette_image, palette_table
 from data.cityscapes import CityscapesSegmentation
 from data.folder import FolderSegmentation
@@ -26,9 +27,9 @@ from data.transforms import PairTransform, build_eval_transform, build_train_tra
 from data.voc import VOCSegmentation
 
 __all__ = [
-    "IGNORE_COLOR", "BadSampleError", "CityscapesSegmentation", "FolderSegmentation", "SegmentationDataset",
-    "SyntheticShapes", "VOCSegmentation", "bit_palette", "build_dataset", "normalize_batch", "palette_image",
-    "palette_table",
+    "ADE20KSegmentation", "IGNORE_COLOR", "BadSampleError", "CityscapesSegmentation", "FolderSegmentation",
+    "SegmentationDataset", "SyntheticShapes", "VOCSegmentation", "bit_palette", "build_dataset", "normalize_batch",
+    "palette_image", "palette_table",
 ]
 
 
@@ -40,6 +41,11 @@ def _voc(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
 def _cityscapes(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
     return CityscapesSegmentation(data_cfg.root, split, ignore_index=data_cfg.ignore_index, transform=transform,
                                   skip_bad_samples=data_cfg.skip_bad_samples)
+
+
+def _ade20k(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
+    return ADE20KSegmentation(data_cfg.root, split, ignore_index=data_cfg.ignore_index, transform=transform,
+                              skip_bad_samples=data_cfg.skip_bad_samples)
 
 
 def _folder(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
@@ -63,7 +69,7 @@ def _synthetic(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
 
 # data.dataset -> constructor; the names are engine.config's data.dataset choices
 DATASETS: dict[str, Callable[[Any, str, PairTransform], Dataset]] = {
-    "voc": _voc, "cityscapes": _cityscapes, "synthetic": _synthetic, "folder": _folder,
+    "voc": _voc, "cityscapes": _cityscapes, "ade20k": _ade20k, "synthetic": _synthetic, "folder": _folder,
 }
 
 

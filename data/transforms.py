@@ -28,9 +28,18 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)  # 0-1 units, RGB
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def height_width(size: int | Sequence[int]) -> tuple[int, int]:
+    """(height, width) of a pixel size given as one integer (a square) or as a pair."""
+    if isinstance(size, int):
+        return size, size
+    height, width = size
+    return int(height), int(width)
+
+
 class RandomScaleCrop(DualTransform):
     """Random rescale by s ~ U(scale_range), pad to `crop_size` (bottom/right), random `crop_size` crop.
 
+    `crop_size` is (height, width), or one integer for a square.
     The result equals RandomScale -> PadIfNeeded(top_left) -> RandomCrop up to sub-pixel rounding,
     but only the source pixels that land in the crop are resized: at scale 2 on a 500x375 image that
     is a quarter of the work. Padding is `fill` in the image and `fill_mask` (ignore) in the mask.
@@ -38,14 +47,14 @@ class RandomScaleCrop(DualTransform):
     """
 
     class InitSchema(DualTransform.InitSchema):
-        crop_size: int
+        crop_size: int | tuple[int, int]
         scale_range: tuple[float, float]
         fill: float
         fill_mask: float
 
     def __init__(
         self,
-        crop_size: int,
+        crop_size: int | tuple[int, int],
         scale_range: tuple[float, float] = (0.5, 2.0),
         *,
         fill: float = 0.0,
@@ -53,7 +62,7 @@ class RandomScaleCrop(DualTransform):
         p: float = 1.0,
     ) -> None:
         super().__init__(p=p)
-        self.crop_size = crop_size
+        self.crop_size = height_width(crop_size)
         self.scale_range = (float(scale_range[0]), float(scale_range[1]))
         self.fill = fill
         self.fill_mask = fill_mask
@@ -62,16 +71,17 @@ class RandomScaleCrop(DualTransform):
         height, width = params["shape"][:2]
         scale = self.py_random.uniform(*self.scale_range)
         scaled_height, scaled_width = max(1, round(height * scale)), max(1, round(width * scale))
-        top = self.py_random.randint(0, max(scaled_height, self.crop_size) - self.crop_size)
-        left = self.py_random.randint(0, max(scaled_width, self.crop_size) - self.crop_size)
+        crop_height, crop_width = self.crop_size
+        top = self.py_random.randint(0, max(scaled_height, crop_height) - crop_height)
+        left = self.py_random.randint(0, max(scaled_width, crop_width) - crop_width)
         return {"scale": scale, "top": top, "left": left, "scaled_shape": (scaled_height, scaled_width)}
 
     def _apply(self, array: np.ndarray, scale: float, top: int, left: int, scaled_shape: tuple[int, int],
                interpolation: int, fill: float) -> np.ndarray:
         height, width = array.shape[:2]
-        crop = self.crop_size
-        visible_h = min(crop, scaled_shape[0] - top)
-        visible_w = min(crop, scaled_shape[1] - left)
+        crop_height, crop_width = self.crop_size
+        visible_h = min(crop_height, scaled_shape[0] - top)
+        visible_w = min(crop_width, scaled_shape[1] - left)
         # source window (plus one pixel of context) that covers the visible part of the crop
         src_top, src_left = int(top / scale), int(left / scale)
         src_bottom = min(height, int(np.ceil((top + visible_h) / scale)) + 1)
@@ -80,7 +90,7 @@ class RandomScaleCrop(DualTransform):
         resized = cv2.resize(window, (0, 0), fx=scale, fy=scale, interpolation=interpolation)
         offset_y, offset_x = top - round(src_top * scale), left - round(src_left * scale)
         piece = resized[offset_y:offset_y + visible_h, offset_x:offset_x + visible_w]
-        out = np.full((crop, crop) + array.shape[2:], fill, dtype=array.dtype)
+        out = np.full((crop_height, crop_width) + array.shape[2:], fill, dtype=array.dtype)
         out[: piece.shape[0], : piece.shape[1]] = piece
         if piece.shape[:2] != (visible_h, visible_w):  # rounding left a sliver: repeat the edge
             out[piece.shape[0]:visible_h, : piece.shape[1]] = out[max(piece.shape[0] - 1, 0), : piece.shape[1]]
@@ -100,14 +110,15 @@ class RandomScaleCrop(DualTransform):
 
 
 def build_train_augmentation(
-    crop_size: int,
+    crop_size: int | tuple[int, int],
     scale_range: tuple[float, float] = (0.5, 2.0),
     *,
     hflip: bool = True,
     photometric: bool = False,
     ignore_index: int = IGNORE_INDEX,
 ) -> A.Compose:
-    """Random scale -> pad to `crop_size` (image 0, mask `ignore_index`) -> random crop -> flip.
+    """Random scale -> pad to `crop_size` (H,W or one int for a square; image 0, mask `ignore_index`)
+    -> random crop -> flip.
 
     The first three steps are one RandomScaleCrop (resizes only what lands in the crop). Geometric ops use cv2 interpolation (linear for the image, nearest for the mask). Optional
     photometric jitter and blur touch the image only. Output arrays stay uint8.
@@ -163,7 +174,7 @@ def build_train_transform(data_cfg: Any) -> PairTransform:
     """The training pipeline configured by a DataConfig section (crop_size, scale_range, hflip, ...)."""
     return PairTransform(
         build_train_augmentation(
-            int(data_cfg.crop_size),
+            height_width(data_cfg.crop_size),
             tuple(data_cfg.scale_range),
             hflip=bool(data_cfg.hflip),
             photometric=bool(data_cfg.photometric),

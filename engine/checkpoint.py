@@ -12,7 +12,9 @@ plain `open()` would give (0644 under umask 022), so teammates on a shared clust
 A `.safetensors` file written by `scripts/export.py --format safetensors` loads here too.
 
 `load_inference_model` is what eval.py and predict.py share: checkpoint -> config (with overrides and
-CLI flags) -> model with the weights, on a device, in eval mode.
+CLI flags) -> model with the weights, on a device, in eval mode. `init_from_weights` is fine-tuning's
+(model.init_checkpoint): a syncseg checkpoint or a plain state dict such as torchvision's
+segmentation weights, the classifier skipped when the class count differs.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from torch import nn
 
 from engine.config import Config
 from engine.config_io import from_dict, inference_config
-from model.builder import build_model
+from model.builder import LoadedWeights, build_model, load_segmentation_weights
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,22 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
         os.close(directory)
 
 
+def _read(path: Path, what: str) -> Any:
+    """torch.load with weights_only=True, or a .safetensors release file read as a payload."""
+    is_safetensors = path.suffix == SAFETENSORS_SUFFIX
+    if is_safetensors and importlib.util.find_spec("safetensors") is None:
+        raise ValueError(f"reading '{path}' needs the safetensors package (pip install -r requirements.txt)")
+    try:
+        if is_safetensors:
+            return _load_safetensors(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickle, zip, safetensors and torch errors all mean the same thing here
+        raise ValueError(
+            f"{what} '{path}' could not be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "it is truncated, corrupt, or not a file written by torch.save or safetensors"
+        ) from None
+
+
 def load_checkpoint(path: str | Path, *, required_keys: Iterable[str] = REQUIRED_KEYS) -> dict[str, Any]:
     """Load a checkpoint on the CPU with weights_only=True and check its format.
 
@@ -142,19 +160,7 @@ def load_checkpoint(path: str | Path, *, required_keys: Iterable[str] = REQUIRED
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint '{path}' not found (expected a .pt file written by train.py)")
-    is_safetensors = path.suffix == SAFETENSORS_SUFFIX
-    if is_safetensors and importlib.util.find_spec("safetensors") is None:
-        raise ValueError(f"reading '{path}' needs the safetensors package (pip install -r requirements.txt)")
-    try:
-        if is_safetensors:
-            payload = _load_safetensors(path)
-        else:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # pickle, zip and torch errors all mean the same thing here
-        raise ValueError(
-            f"checkpoint '{path}' could not be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-            "it is truncated, corrupt, or not a syncseg checkpoint"
-        ) from None
+    payload = _read(path, "checkpoint")
     if not isinstance(payload, dict):
         raise ValueError(f"checkpoint '{path}' holds a {type(payload).__name__}, expected a dict with keys "
                          f"{', '.join(REQUIRED_KEYS)}")
@@ -204,6 +210,51 @@ def save_safetensors(path: str | Path, payload: Mapping[str, Any]) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The model weights in `path` for fine-tuning, and what kind of file it was.
+
+    Accepts a syncseg checkpoint (best.pt / last.pt: its `model`), a plain state dict (torchvision's
+    segmentation weights such as deeplabv3_resnet101_coco-586e9e4e.pth), or a state dict wrapped as
+    {"state_dict": ...} or {"model": ...}; a `module.` prefix on every key is stripped later
+    (model.builder.load_segmentation_weights). Raises FileNotFoundError naming the file and where such
+    files come from, ValueError when it is unreadable or holds no state dict.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model.init_checkpoint: weights file '{path}' not found; give a best.pt / last.pt of a syncseg run or "
+            "a segmentation state dict such as torchvision's deeplabv3_resnet101_coco-586e9e4e.pth (nothing is "
+            "downloaded: fetch it on a machine with network access and copy it to that path)")
+    loaded = _read(path, "model.init_checkpoint weights file")
+    kind = "a plain state dict"
+    if isinstance(loaded, Mapping) and "format_version" in loaded and isinstance(loaded.get("model"), Mapping):
+        loaded, kind = loaded["model"], f"a syncseg checkpoint, iteration {loaded.get('iteration', '?')}"
+    elif isinstance(loaded, Mapping):
+        for key in ("state_dict", "model"):
+            if isinstance(loaded.get(key), Mapping):
+                loaded, kind = loaded[key], f"a state dict under '{key}'"
+                break
+    if not isinstance(loaded, Mapping) or not loaded or not all(
+            isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in loaded.items()):
+        raise ValueError(f"model.init_checkpoint '{path}' holds no state dict (a mapping of names to tensors, "
+                         "possibly under 'model' or 'state_dict')")
+    return dict(loaded), kind
+
+
+def init_from_weights(model: nn.Module, path: str | Path, *, model_cfg: Any) -> LoadedWeights:
+    """Fine-tuning: load `path` (see load_weights_file) into `model`, built from `model_cfg`, and log
+    which keys were loaded, skipped (the classifier of another class count) and left fresh. Raises one
+    ValueError naming the file and both architectures when the weights do not fit."""
+    state_dict, kind = load_weights_file(path)
+    try:
+        report = load_segmentation_weights(model, state_dict)
+    except ValueError as error:
+        raise ValueError(f"model.init_checkpoint '{path}' ({kind}) does not fit the model "
+                         f"[{describe_architecture(model_cfg)}]: {error}") from None
+    logger.info("model.init_checkpoint '%s' (%s): %s", path, kind, report.summary())
+    return report
 
 
 def peek_checkpoint(path: str | Path) -> dict[str, Any] | None:

@@ -11,9 +11,10 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD
+from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
+from model.timm_encoder import TIMM_PREFIX
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -42,20 +43,35 @@ def _limited(default: Any, limit: Limit) -> Any:
     return field(default=default, metadata={"limit": limit})
 
 
+def _or_prefixed(default: Any, prefix: str, meaning: str) -> Any:
+    """A Literal field that also takes `<prefix><name>` (any non-empty name), e.g. model.backbone=timm:<name>."""
+    return field(default=default, metadata={"prefix": prefix, "prefix_meaning": meaning})
+
+
+@dataclass(frozen=True)
+class SquareIfOne:
+    """Marks a (height, width) field: one integer (in a file, on the command line, in an old
+    checkpoint's config) means a square, so `data.crop_size=513` is (513, 513)."""
+
+
+PixelSize = Annotated[tuple[int, int], SquareIfOne()]  # (height, width) in pixels
+
+
 _POSITIVE = Limit(ge=1)
 _NON_NEGATIVE = Limit(ge=0)
 _LABEL = Limit(ge=0, le=255)  # masks are 8-bit PNGs
 SYNTHETIC_MAX_CLASSES = 8  # background + data.synthetic.SHAPE_NAMES (a test keeps the two equal)
-FIXED_CLASS_DATASETS = ("voc", "cityscapes")  # their class lists come with the dataset
+FIXED_CLASS_DATASETS = ("voc", "cityscapes", "ade20k")  # their class lists come with the dataset
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: Literal["voc", "cityscapes", "synthetic", "folder"] = "synthetic"
+    dataset: Literal["voc", "cityscapes", "ade20k", "synthetic", "folder"] = "synthetic"
     root: str = ""  # dataset root folder (unused by synthetic)
-    train_split: str = "train"  # voc: train | train_aug; cityscapes: train; folder: a list-file stem or "all"
-    val_split: str = "val"
-    crop_size: int = _limited(513, _POSITIVE)  # square training crop, pixels
+    # voc: train | train_aug; cityscapes: train; ade20k: training (= train); folder: a list-file stem or "all"
+    train_split: str = "train"
+    val_split: str = "val"  # ade20k: validation (= val)
+    crop_size: PixelSize = _limited((513, 513), _POSITIVE)  # training crop H,W (one int: square), pixels
     scale_range: tuple[float, float] = _limited((0.5, 2.0), Limit(gt=0))  # random rescale factors, low <= high
     base_size: int = _limited(0, _NON_NEGATIVE)  # eval: resize the long side to this many pixels (0 = as is)
     hflip: bool = True
@@ -77,7 +93,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     arch: Literal["deeplabv3", "deeplabv3plus"] = "deeplabv3plus"
-    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v3_large"] = "resnet50"
+    # torchvision backbones, or timm:<name> for a timm encoder (model/timm_encoder.py checks the name)
+    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v2", "mobilenet_v3_large"] = (
+        _or_prefixed("resnet50", TIMM_PREFIX, "a timm encoder"))
     output_stride: Literal[8, 16] = 16
     pretrained_backbone: str = "none"  # none | imagenet | path to a backbone state dict
     init_checkpoint: str = ""  # segmentation checkpoint to fine-tune from (classifier skipped on mismatch)
@@ -91,7 +109,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     iters: int = _limited(30000, _POSITIVE)
-    batch_size: int = _limited(16, _POSITIVE)  # global batch over all devices / processes
+    batch_size: int = _limited(16, _POSITIVE)  # global batch per optimizer step, over all devices / processes
+    accumulate: int = _limited(1, _POSITIVE)  # micro-batches per optimizer step (gradient accumulation)
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = _limited(0.01, Limit(gt=0))
     momentum: float = _limited(0.9, _NON_NEGATIVE)
@@ -115,8 +134,8 @@ class TrainConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     mode: Literal["whole", "slide"] = "whole"
-    window_size: int = _limited(513, _POSITIVE)  # slide: square window, pixels
-    stride: int = _limited(341, _POSITIVE)  # slide: window step, <= window_size
+    window_size: PixelSize = _limited((513, 513), _POSITIVE)  # slide: window H,W (one int: square), pixels
+    stride: PixelSize = _limited((341, 341), _POSITIVE)  # slide: window step H,W, <= window_size on each axis
     scales: tuple[float, ...] = _limited((1.0,), Limit(gt=0))
     flip: bool = False
     batch_size: int = _limited(1, _POSITIVE)
@@ -151,7 +170,12 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """Field name -> annotation, with `Annotated` markers kept (engine.config_io converts by them)."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def all_keys() -> list[str]:
@@ -175,15 +199,18 @@ def _check_fields(section_name: str, section: Any, source: str) -> None:
     types = field_types(type(section))
     for item in dataclasses.fields(section):
         key, value, annotation = f"{section_name}.{item.name}", getattr(section, item.name), types[item.name]
-        if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation):
+        prefix = item.metadata.get("prefix")
+        prefixed = prefix is not None and isinstance(value, str) and value.startswith(prefix) and value != prefix
+        if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation) and not prefixed:
             allowed = ", ".join(map(str, typing.get_args(annotation)))
+            if prefix is not None:
+                allowed += f", or {prefix}<name> ({item.metadata['prefix_meaning']})"
             raise ValueError(f"{source}: {key}={value!r} is not one of {allowed}")
         limit = item.metadata.get("limit")
         values = value if isinstance(value, tuple) else (value,)
         if limit is not None and any(limit.violated_by(v) for v in values):
-            shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
             each = "every value " if isinstance(value, tuple) else ""
-            raise ValueError(f"{source}: {key}={shown}: {each}must be {limit.describe()}")
+            raise ValueError(f"{source}: {key}={_shown(value)}: {each}must be {limit.describe()}")
 
 
 def validate(config: Config, *, source: str = "config") -> None:
@@ -196,9 +223,19 @@ def validate(config: Config, *, source: str = "config") -> None:
         raise ValueError(f"{source}: data.scale_range={low},{high} must satisfy low <= high")
     if not evaluation.scales:
         raise ValueError(f"{source}: eval.scales is empty; give at least one test scale (e.g. 1.0)")
-    if evaluation.mode == "slide" and evaluation.stride > evaluation.window_size:
-        raise ValueError(f"{source}: eval.stride={evaluation.stride} > eval.window_size={evaluation.window_size} "
-                         "would leave pixels between the sliding windows uncovered; use a stride <= the window")
+    stride, window = height_width(evaluation.stride), height_width(evaluation.window_size)
+    if evaluation.mode == "slide" and any(step > size for step, size in zip(stride, window)):
+        raise ValueError(f"{source}: eval.stride={_shown(stride)} > eval.window_size={_shown(window)} (height,width) "
+                         "would leave pixels between the sliding windows uncovered; use a stride <= the window "
+                         "on both axes")
+    train = config.train
+    if train.accumulate > train.batch_size:
+        raise ValueError(f"{source}: train.accumulate={train.accumulate} > train.batch_size={train.batch_size}: the "
+                         "global batch is split into train.accumulate micro-batches of at least one sample each")
+    if train.accumulate > 1 and train.ohem:
+        raise ValueError(f"{source}: train.ohem with train.accumulate={train.accumulate}: OHEM picks its pixels and "
+                         "its normalizer from each forward pass, so the accumulated gradient would not be the global "
+                         "batch's; use train.accumulate=1 (a smaller train.batch_size) or train.ohem=false")
     if data.dataset in FIXED_CLASS_DATASETS and data.num_classes:
         raise ValueError(f"{source}: data.num_classes={data.num_classes} but dataset '{data.dataset}' has a fixed "
                          "class list; leave data.num_classes at 0 (or use dataset 'folder' for a custom label set)")

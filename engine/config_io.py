@@ -13,11 +13,11 @@ import difflib
 import logging
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 
-from engine.config import CONFIG_DIR, SECTIONS, Config, all_keys, field_types, validate
+from engine.config import CONFIG_DIR, SECTIONS, Config, SquareIfOne, all_keys, field_types, validate
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ def _unknown_key_error(key: str, source: str) -> ValueError:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if origin is Annotated and _is_square_size(annotation):
+        return "H,W (two integers, or one for a square)"
     if origin is tuple:
         args = typing.get_args(annotation)
         inner = args[0].__name__ if args else "value"
@@ -41,10 +43,26 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
+def _is_square_size(annotation: Any) -> bool:
+    return any(isinstance(mark, SquareIfOne) for mark in typing.get_args(annotation)[1:])
+
+
 def _convert(value: Any, annotation: Any, key: str, source: str) -> Any:
     """Convert a YAML or command-line value to the field's declared type (choices are validate()'s)."""
     origin = typing.get_origin(annotation)
     fail = ValueError(f"{source}: config key '{key}' expects {_type_name(annotation)}, got {value!r}")
+    if origin is Annotated:
+        base = typing.get_args(annotation)[0]
+        if _is_square_size(annotation):  # one value: a square (every config and checkpoint before H,W)
+            parts = value.strip("()[] ").split(",") if isinstance(value, str) else value
+            if isinstance(parts, (list, tuple)) and len(parts) == 1:
+                value = [parts[0], parts[0]]
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = [value, value]
+        try:
+            return _convert(value, base, key, source)
+        except ValueError:
+            raise fail from None
     if origin is Literal:
         kinds = {type(choice) for choice in typing.get_args(annotation)}
         try:

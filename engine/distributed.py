@@ -75,6 +75,16 @@ class DistInfo:
             return f"DataParallel over GPUs {','.join(map(str, self.device_ids))}"
         return f"one device ({self.device})"
 
+    def describe_batch_norm(self, *, synchronized: bool) -> str:
+        """How BatchNorm statistics are reduced here, for the log; `synchronized`: the model's norm layers
+        synchronize (model.norm.synchronizes_statistics)."""
+        if self.num_replicas == 1:
+            return "single device (plain batch norm)"
+        if not synchronized:
+            return "not synchronized (per process)" if self.mode == "ddp" else "not synchronized (per GPU)"
+        return ("across the processes through torch.distributed" if self.mode == "ddp"
+                else "across the GPUs (DataParallelWithCallback)")
+
 
 def parse_gpus(gpus: str) -> tuple[int, ...]:
     """`"0,1,3"` -> (0, 1, 3). Raises ValueError naming the value when it is not a list of ids."""

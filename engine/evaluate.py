@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.transforms import normalize_batch
+from data.transforms import height_width, normalize_batch
 from engine.distributed import all_reduce_sum, autocast_for, get_rank
 from engine.inference import predict
 from engine.metrics import ConfusionMatrix
@@ -83,8 +83,8 @@ def evaluate(
     if classes is not None and len(classes) != num_classes:
         raise ValueError(f"evaluate: {len(classes)} class names given for num_classes={num_classes}")
     mode = eval_cfg.mode
-    window_size = int(eval_cfg.window_size)
-    stride = int(eval_cfg.stride)
+    window_size = height_width(eval_cfg.window_size)
+    stride = height_width(eval_cfg.stride)
     scales = tuple(eval_cfg.scales)
     flip = bool(eval_cfg.flip)
     rank = get_rank()

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data.transforms import height_width
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,15 +41,17 @@ def window_starts(length: int, window: int, stride: int) -> list[int]:
     return [min(index * stride, length - window) for index in range(count)]
 
 
-def _slide(model: nn.Module, images: torch.Tensor, *, num_classes: int, window_size: int, stride: int) -> torch.Tensor:
+def _slide(model: nn.Module, images: torch.Tensor, *, num_classes: int, window_size: tuple[int, int],
+           stride: tuple[int, int]) -> torch.Tensor:
     batch, _, height, width = images.shape
-    if window_size >= height and window_size >= width:
+    (window_h, window_w), (stride_h, stride_w) = window_size, stride
+    if window_h >= height and window_w >= width:
         return _forward(model, images, num_classes)
     logits = images.new_zeros((batch, num_classes, height, width), dtype=torch.float32)
     counts = images.new_zeros((1, 1, height, width), dtype=torch.float32)
-    crop_h, crop_w = min(window_size, height), min(window_size, width)
-    for top in window_starts(height, window_size, stride):
-        for left in window_starts(width, window_size, stride):
+    crop_h, crop_w = min(window_h, height), min(window_w, width)
+    for top in window_starts(height, window_h, stride_h):
+        for left in window_starts(width, window_w, stride_w):
             window = images[:, :, top:top + crop_h, left:left + crop_w]
             logits[:, :, top:top + crop_h, left:left + crop_w] += _forward(model, window, num_classes)
             counts[:, :, top:top + crop_h, left:left + crop_w] += 1
@@ -61,15 +65,16 @@ def predict(
     *,
     num_classes: int,
     mode: str = "whole",
-    window_size: int = 513,
-    stride: int = 341,
+    window_size: int | Sequence[int] = 513,
+    stride: int | Sequence[int] = 341,
     scales: Sequence[float] = (1.0,),
     flip: bool = False,
 ) -> torch.Tensor:
     """Logits N x num_classes x H x W (float32) for normalized float images N x 3 x H x W.
 
-    mode "whole" runs the model on the full image; "slide" on window_size x window_size windows every
-    `stride` pixels (<= window_size), overlapping logits averaged. Each scale in `scales` (positive)
+    mode "whole" runs the model on the full image; "slide" on windows of `window_size` (height, width;
+    one integer: a square) every `stride` pixels (likewise per axis, <= the window), overlapping logits
+    averaged. Each scale in `scales` (positive)
     resizes the image (bilinear), runs `mode`, and resizes the logits back; with `flip` every scale
     also runs on the horizontally flipped image (logits flipped back). All passes are averaged. The
     settings are an eval config section's (engine.config.EvalConfig, validated there). The model is
@@ -82,6 +87,7 @@ def predict(
         raise ValueError(f"predict: images must be normalized float tensors, got {images.dtype} "
                          "(use data.transforms.normalize_batch)")
     height, width = images.shape[-2:]
+    window_size, stride = height_width(window_size), height_width(stride)
     total = None
     passes = 0
     for scale in scales:

@@ -6,7 +6,9 @@ per-pixel weights); dividing the first by the second is the weighted mean that
 `F.cross_entropy(..., weight=w, ignore_index=i)` computes. `forward` divides each head's loss sum by its
 weight sum over every process of torch.distributed (one small all-reduce; outside torch.distributed
 the local sum), so the losses of all processes add up to the loss of the global batch, however it
-is split, and their gradients add up to its gradient.
+is split, and their gradients add up to its gradient. With gradient accumulation the divisor is the
+weight sum of the whole optimizer step (`target_weight` of every micro-batch, all-reduced once, given
+as `step_weight`), so the micro-batches' losses and gradients add up to the global batch's too.
 """
 from __future__ import annotations
 
@@ -97,11 +99,32 @@ class SegmentationLoss(nn.Module):
     def head_factor(self, name: str) -> float:
         return 1.0 if name == "out" else self.aux_weight
 
-    def forward(self, outputs: Mapping[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-        """This process's share of the global-batch loss (the loss itself outside torch.distributed)."""
+    def target_weight(self, target: torch.Tensor) -> torch.Tensor:
+        """The sum of per-pixel weights of `target` N x H x W (its valid pixels, class-weighted): what
+        `head_terms` divides by, known before the forward pass when there is no OHEM."""
+        if self.ohem:
+            raise ValueError("SegmentationLoss.target_weight: with OHEM the weights depend on the logits")
+        valid = target != self.ignore_index
+        if self.class_weights is None:
+            return valid.to(torch.float32).sum()
+        weights = self.class_weights.to(target.device)
+        # clamped: a mask value out of range is head_terms' error to report, with its message
+        safe_target = torch.where(valid, target, torch.zeros_like(target)).clamp(0, weights.numel() - 1)
+        return (weights[safe_target] * valid).sum()
+
+    def forward(self, outputs: Mapping[str, torch.Tensor], target: torch.Tensor, *,
+                step_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """This process's share of the global-batch loss (the loss itself outside torch.distributed).
+
+        `step_weight`: the all-reduced `target_weight` of every micro-batch of the optimizer step
+        (gradient accumulation); None divides by this batch's weights, all-reduced here.
+        """
         terms = self.terms(outputs, target)
-        weights = torch.stack([weight.detach() for _, weight in terms.values()])
-        all_reduce_sum(weights)
+        if step_weight is None:
+            weights = torch.stack([weight.detach() for _, weight in terms.values()])
+            all_reduce_sum(weights)
+        else:  # every head shares the target, hence its weight
+            weights = step_weight.detach().to(target.device).float().expand(len(terms))
         total = torch.zeros((), device=target.device)
         for (name, (loss_sum, _)), weight in zip(terms.items(), weights):
             total = total + self.head_factor(name) * _safe_divide(loss_sum, weight)

@@ -2,7 +2,9 @@
 
 Training order: epoch e is a permutation drawn from (train.seed, e); global batch t is its t-th slice
 of `train.batch_size` samples, and each process loads its own part of that slice, so any number of
-processes together see exactly the global batches of one process. Every sample carries a seed drawn
+processes together see exactly the global batches of one process. With gradient accumulation
+(`train.accumulate` = A) global batch t is cut into A consecutive micro-batches first, and each process
+loads its part of each micro-batch; the union over the A micro-batches is the same global batch. Every sample carries a seed drawn
 from the same generator (engine.seeding.SeededDataset uses it for the augmentation), and DataLoaders
 use their own generators, never the global RNG: a run stopped at iteration K and resumed computes the
 same losses as an uninterrupted run.
@@ -27,33 +29,46 @@ def split_batch(global_batch: int, world_size: int) -> list[int]:
 class ResumableBatchSampler(Sampler):
     """Batches of (index, sample_seed) for one process, reproducible from (seed, epoch).
 
-    Global batch t is permutation[t*G:(t+1)*G] with G = `global_batch`, and process `rank` gets its
-    slice of it (`split_batch`: sizes differ by at most one). The incomplete last global batch is
-    dropped. `set_epoch(e, start_batch=k)` skips the first k batches (resume). The order depends on
-    neither the number of processes nor the rank, so a run resumed on another world size sees the same
-    global batches.
+    Global batch t is permutation[t*G:(t+1)*G] with G = `global_batch`. It is split into `accumulate`
+    micro-batches (`split_batch(G, accumulate)`, consecutive slices), and process `rank` gets its slice of
+    each (`split_batch` again: sizes differ by at most one); one item per micro-batch is yielded, so an
+    optimizer step takes `accumulate` consecutive items. The incomplete last global batch is dropped.
+    `set_epoch(e, start_batch=k)` skips the first k global batches (resume: k counts optimizer steps).
+    The order depends on neither the number of processes nor the rank, so a run resumed on another
+    world size sees the same global batches.
     """
 
-    def __init__(self, num_samples: int, *, global_batch: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, num_samples: int, *, global_batch: int, seed: int, rank: int = 0, world_size: int = 1,
+                 accumulate: int = 1) -> None:
         if global_batch < world_size:
             raise ValueError(f"train.batch_size={global_batch} is smaller than the {world_size} processes; every "
                              "process needs at least one sample per step")
+        micro_sizes = split_batch(global_batch, accumulate)
+        if min(micro_sizes) < world_size:
+            raise ValueError(f"train.batch_size={global_batch} in train.accumulate={accumulate} micro-batches gives "
+                             f"micro-batches of {min(micro_sizes)} samples, fewer than the {world_size} processes; "
+                             "every process needs at least one sample per micro-batch (lower train.accumulate)")
         if num_samples < global_batch:
             raise ValueError(f"the training split has {num_samples} samples, fewer than one global batch "
                              f"(train.batch_size={global_batch}); lower train.batch_size")
         self.num_samples = num_samples
         self.global_batch = global_batch
+        self.accumulate = accumulate
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        sizes = split_batch(global_batch, world_size)
-        self.batch_size = sizes[rank]  # this process's share
-        self.offset = sum(sizes[:rank])
+        # (first index within the global batch, size) of this process's part of each micro-batch
+        self.parts = []
+        for index, size in enumerate(micro_sizes):
+            shares = split_batch(size, world_size)
+            self.parts.append((sum(micro_sizes[:index]) + sum(shares[:rank]), shares[rank]))
+        self.batch_size = sum(size for _, size in self.parts)  # this process's share of a global batch
         self.epoch = 0
         self.start_batch = 0
 
     @property
     def batches_per_epoch(self) -> int:
+        """Global batches (optimizer steps) per epoch."""
         return self.num_samples // self.global_batch
 
     def set_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
@@ -63,15 +78,16 @@ class ResumableBatchSampler(Sampler):
         self.start_batch = start_batch
 
     def __len__(self) -> int:
-        return self.batches_per_epoch - self.start_batch
+        return (self.batches_per_epoch - self.start_batch) * self.accumulate
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
         order = torch.randperm(self.num_samples, generator=generator).tolist()
         seeds = torch.randint(0, 2**31 - 1, (self.num_samples,), generator=generator).tolist()
         for batch in range(self.start_batch, self.batches_per_epoch):
-            first = batch * self.global_batch + self.offset
-            yield [(order[j], seeds[j]) for j in range(first, first + self.batch_size)]
+            for offset, size in self.parts:
+                first = batch * self.global_batch + offset
+                yield [(order[j], seeds[j]) for j in range(first, first + size)]
 
 
 class ShardSampler(Sampler[int]):
@@ -138,7 +154,7 @@ def shutdown_workers(loader: DataLoader) -> None:
 
 def train_batches(loader: DataLoader, start_iteration: int) -> Iterator[Any]:
     """The batches of `loader` (whose batch_sampler is a ResumableBatchSampler) from global step
-    `start_iteration` on, epoch after epoch, forever."""
+    `start_iteration` on, epoch after epoch, forever: one item per micro-batch, `accumulate` per step."""
     sampler = loader.batch_sampler
     epoch, start = divmod(start_iteration, sampler.batches_per_epoch)
     while True:

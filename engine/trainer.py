@@ -23,11 +23,12 @@ from torch import nn
 
 from data import build_dataset
 from data.transforms import normalize_batch
+from engine.accumulation import describe_batches, gradient_sync, step_normalizer
 from engine.checkpoint import (
     FORMAT_VERSION,
     RESUME_KEYS,
     first_non_finite,
-    load_checkpoint,
+    init_from_weights,
     load_model_weights,
     save_checkpoint,
     weights_payload,
@@ -44,13 +45,12 @@ from engine.samplers import (
     build_eval_loader,
     build_train_loader,
     shutdown_workers,
-    split_batch,
     train_batches,
 )
 from engine.seeding import capture_rng_state, mix_seed, restore_rng_state, seed_process
 from engine.signals import StopRequest
 from engine.visualize import prediction_grid
-from model.builder import build_model, build_param_groups, load_segmentation_weights
+from model.builder import build_model, build_param_groups
 from model.norm import synchronizes_statistics
 from model.sync_batchnorm import DataParallelWithCallback
 
@@ -113,7 +113,8 @@ class Trainer:
         if resume is not None:
             self._load_training_state(resume)
         self.sampler = ResumableBatchSampler(len(self.train_set), global_batch=train_cfg.batch_size,
-                                             seed=train_cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size)
+                                             seed=train_cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size,
+                                             accumulate=train_cfg.accumulate)
         pin = self.device.type == "cuda"
         self.train_loader = build_train_loader(self.train_set, self.sampler, num_workers=data_cfg.num_workers,
                                                pin_memory=pin, seed=train_cfg.seed)
@@ -138,10 +139,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------- setup
     def _build_model(self, *, init_weights: bool) -> nn.Module:
         model = build_model(self.config.model, self.num_classes)
-        init = self.config.model.init_checkpoint
-        if init and init_weights:
-            skipped = load_segmentation_weights(model, load_checkpoint(init)["model"])
-            logger.info("initialized from %s%s", init, f" (skipped {', '.join(skipped)}: shape differs)" if skipped else "")
+        if self.config.model.init_checkpoint and init_weights:
+            init_from_weights(model, self.config.model.init_checkpoint, model_cfg=self.config.model)
         model.to(self.device)
         if self.config.model.channels_last:
             model.to(memory_format=torch.channels_last)
@@ -186,18 +185,10 @@ class Trainer:
             torch.manual_seed(mix_seed(self.config.train.seed, "train", self.dist.rank, self.iteration))
 
     def _describe(self) -> None:
-        norm = self.config.model.norm
-        if self.dist.num_replicas == 1:
-            sync = "single device (plain batch norm)"
-        elif not synchronizes_statistics(norm):
-            sync = "not synchronized (per process)" if self.dist.mode == "ddp" else "not synchronized (per GPU)"
-        else:
-            sync = ("across the processes through torch.distributed" if self.dist.mode == "ddp"
-                    else "across the GPUs (DataParallelWithCallback)")
-        shares = split_batch(self.config.train.batch_size, self.dist.num_replicas)
-        per_device = f"{shares[0]}" if len(set(shares)) == 1 else ",".join(map(str, shares))
-        logger.info("%s; global batch %d, per-device batch %s; BN statistics %s; amp=%s", self.dist.describe(),
-                    self.config.train.batch_size, per_device, sync, self.config.train.amp)
+        sync = self.dist.describe_batch_norm(synchronized=synchronizes_statistics(self.config.model.norm))
+        batches = describe_batches(self.config.train.batch_size, accumulate=self.config.train.accumulate,
+                                   num_replicas=self.dist.num_replicas, batch_norm=sync)
+        logger.info("%s; %s; amp=%s", self.dist.describe(), batches, self.config.train.amp)
         logger.info("%d training / %d validation images, %d classes, %d batches per epoch; run dir %s",
                     len(self.train_set), len(self.val_set), self.num_classes, self.sampler.batches_per_epoch,
                     self.run_dir)
@@ -217,9 +208,9 @@ class Trainer:
                                                             initial=self.iteration) as bar, self._flushing_log():
             while self.iteration < stop_at:
                 wait_start = time.perf_counter()
-                images, masks = next(self.batches)
+                micro_batches = [next(self.batches) for _ in range(self.config.train.accumulate)]
                 throughput.add(images=self.config.train.batch_size, data_seconds=time.perf_counter() - wait_start)
-                self._pending_losses.append((self.iteration + 1, self.train_step(images, masks)))
+                self._pending_losses.append((self.iteration + 1, self.train_step(micro_batches)))
                 self.iteration += 1
                 stopped = stop.agreed() and self.iteration < stop_at
                 validate, checkpoint, log = self._due(stop_at)
@@ -262,26 +253,31 @@ class Trainer:
         checkpoint = it % train_cfg.ckpt_interval == 0 or at_end or it == stop_at
         return validate, checkpoint, it % train_cfg.log_interval == 0 or it == stop_at
 
-    def train_step(self, images: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on a uint8 image batch; returns the detached loss share of this process
-        (the sum over processes is the global batch's loss)."""
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step on train.accumulate (uint8 images, masks) micro-batches (engine.accumulation);
+        returns the detached loss share of this process (the sum over processes is the global batch's loss)."""
         data_cfg = self.config.data
-        images = images.to(self.device, non_blocking=True)
-        masks = masks.to(self.device, non_blocking=True)
-        inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
-        if self.config.model.channels_last:
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
-        with autocast_for(self.device, self.config.train.amp):
-            outputs = self.train_model(inputs)
-        loss = self.criterion(outputs, masks)
+        micro_batches = [(images.to(self.device, non_blocking=True), masks.to(self.device, non_blocking=True))
+                         for images, masks in micro_batches]
+        normalizer = step_normalizer(self.criterion, [masks for _, masks in micro_batches])
         self.optimizer.zero_grad(set_to_none=True)
-        # DDP averages gradients over processes; scaling by the world size makes that the sum of the
-        # processes' shares of the global loss.
-        self.scaler.scale(loss * self.dist.world_size).backward()
+        shares = []
+        for index, (images, masks) in enumerate(micro_batches):
+            with gradient_sync(self.train_model, last=index == len(micro_batches) - 1):
+                inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
+                if self.config.model.channels_last:
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+                with autocast_for(self.device, self.config.train.amp):
+                    outputs = self.train_model(inputs)
+                loss = self.criterion(outputs, masks, step_weight=normalizer)
+                # DDP averages gradients over processes; scaling by the world size makes that the sum of the
+                # processes' shares of the global loss.
+                self.scaler.scale(loss * self.dist.world_size).backward()
+            shares.append(loss.detach())
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        return loss.detach()
+        return torch.stack(shares).sum()
 
     def _record_losses(self, result: TrainResult) -> None:
         """Move the pending per-step losses (summed over processes) into result.losses."""

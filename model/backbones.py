@@ -1,12 +1,15 @@
-"""Feature extractors for DeepLab: torchvision ResNets and MobileNetV3-Large with an output stride of 8 or 16.
+"""Feature extractors for DeepLab: torchvision ResNets, MobileNetV2 and MobileNetV3-Large with an output stride
+of 8 or 16 (timm encoders: model/timm_encoder.py).
 
 Every backbone is built from torchvision's own definition, so torchvision's ImageNet state dicts load
 strictly into it (after dropping the ImageNet classifier; MobileNet keys also lose their `features.`
 prefix). `forward(x)` returns a dict of feature maps:
 
 - `low_level`: output stride 4 (ResNet layer1, MobileNet block 3), for the DeepLabV3+ decoder;
-- `aux`: ResNet layer3 (output stride 8 or 16) / MobileNet block 4 (output stride 8), for the FCN aux head;
-- `out`: the last stage, at the requested output stride.
+- `aux`: ResNet layer3 / MobileNetV2 block 13 (output stride 8 or 16) / MobileNetV3 block 4 (output
+  stride 8, torchvision's choice), for the FCN aux head;
+- `out`: the last stage, at the requested output stride (MobileNetV2: the 320-channel block 17; the
+  1x1 conv to 1280 channels belongs to the classifier, as in the MobileNetV2 paper's DeepLabV3).
 
 Each backbone exposes `low_level_channels`, `aux_channels` and `out_channels`.
 
@@ -18,6 +21,9 @@ How output stride becomes dilation (the "atrous" conversion), all in this file:
   (conv2 of that block and both convs of the following blocks) gets the new dilation. This is the exact
   atrous conversion: in eval mode the dilated network's output subsampled by 2 (or 4) equals the
   undilated network's output, which the tests check.
+- MobileNetV2: the same exact conversion, block by block as TensorFlow DeepLab does it: once the output
+  stride is reached, a block's stride-2 depthwise conv gets stride 1 and the current dilation, and
+  the blocks after it twice that.
 - MobileNetV3-Large: torchvision's convention (`dilated=True`): every depthwise conv of a dilated stage,
   the formerly strided one included, gets the stage's dilation. Output stride 16 dilates the last stage
   by 2 (identical to `mobilenet_v3_large(dilated=True)`); 8 also dilates the stride-16 stage by 2 and
@@ -38,6 +44,7 @@ from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
 from model.norm import NormLayer
+from model.timm_encoder import build_timm_backbone, timm_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ IMAGENET_WEIGHTS = {
     "resnet34": "ResNet34_Weights.IMAGENET1K_V1",
     "resnet50": "ResNet50_Weights.IMAGENET1K_V1",
     "resnet101": "ResNet101_Weights.IMAGENET1K_V1",
+    "mobilenet_v2": "MobileNet_V2_Weights.IMAGENET1K_V1",
     "mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V1",
 }
 
@@ -78,19 +86,17 @@ class ResNetBackbone(nn.Module):
         return {"low_level": low_level, "aux": aux, "out": out}
 
 
-class MobileNetV3Backbone(nn.Sequential):
-    """torchvision MobileNetV3 `features` (blocks 0..16); keys equal torchvision's DeepLabV3 backbone keys."""
+class MobileNetBackbone(nn.Sequential):
+    """torchvision MobileNet `features` blocks (keys `0.*`, `1.*`, ...: torchvision's DeepLabV3 backbone
+    keys); `low_level`, `aux` and `out` are the outputs of the blocks at the given indices (out: the last)."""
 
-    def __init__(self, features: nn.Sequential) -> None:
-        super().__init__(*features)
-        # Blocks whose stride moves to the next output stride (torchvision marks them `_is_cn`).
-        stage_starts = [i for i, block in enumerate(self) if getattr(block, "_is_cn", False)]
-        # stage_starts == [2, 4, 7, 13]: output strides 4, 8, 16, 32.
-        self.low_level_index = stage_starts[1] - 1  # last block at output stride 4
-        self.aux_index = stage_starts[1]  # torchvision's aux position ("C2", output stride 8)
+    def __init__(self, blocks: list[nn.Module], *, low_level_index: int, aux_index: int) -> None:
+        super().__init__(*blocks)
+        self.low_level_index = low_level_index
+        self.aux_index = aux_index
         self.out_index = len(self) - 1
-        self.low_level_channels = self[self.low_level_index].out_channels
-        self.aux_channels = self[self.aux_index].out_channels
+        self.low_level_channels = self[low_level_index].out_channels
+        self.aux_channels = self[aux_index].out_channels
         self.out_channels = self[self.out_index].out_channels
 
     def forward(self, x: Tensor) -> dict[str, Tensor]:  # type: ignore[override]
@@ -144,21 +150,44 @@ def _build_resnet(name: str, *, output_stride: int, norm_layer: NormLayer) -> Re
     return ResNetBackbone(resnet)
 
 
-def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> MobileNetV3Backbone:
+def _spatial_convs(block: nn.Module) -> list[nn.Conv2d]:
+    return [module for module in block.modules() if isinstance(module, nn.Conv2d) and module.kernel_size[0] > 1]
+
+
+def _build_mobilenet_v2(*, output_stride: int, norm_layer: NormLayer) -> MobileNetBackbone:
+    network = torchvision.models.mobilenet_v2(weights=None, norm_layer=norm_layer)
+    blocks = list(network.features)[:-1]  # without the 1x1 conv to 1280 channels
+    strided = [i for i, block in enumerate(blocks) if any(c.stride == (2, 2) for c in _spatial_convs(block))]
+    # strided == [0, 2, 4, 7, 14]: output strides 2, 4, 8, 16, 32
+    current_stride, dilation = 1, 1
+    for index, block in enumerate(blocks):
+        stride = 2 if index in strided else 1
+        if current_stride < output_stride:
+            current_stride *= stride
+            continue
+        for conv in _spatial_convs(block):
+            _dilate_conv(conv, dilation)
+        dilation *= stride
+    return MobileNetBackbone(blocks, low_level_index=strided[2] - 1, aux_index=strided[4] - 1)
+
+
+def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> MobileNetBackbone:
     # torchvision's MobileNetV3 BatchNorm settings (eps 1e-3, momentum 0.01) are part of the pretrained recipe.
     norm = functools.partial(norm_layer, eps=0.001, momentum=0.01)
     network = torchvision.models.mobilenet_v3_large(weights=None, norm_layer=norm)
-    backbone = MobileNetV3Backbone(network.features)
-    stage_starts = [i for i, block in enumerate(backbone) if getattr(block, "_is_cn", False)]
+    blocks = list(network.features)
+    # Blocks whose stride moves to the next output stride (torchvision marks them `_is_cn`).
+    stage_starts = [i for i, block in enumerate(blocks) if getattr(block, "_is_cn", False)]
+    # stage_starts == [2, 4, 7, 13]: output strides 4, 8, 16, 32; aux at torchvision's position ("C2", OS 8)
+    backbone = MobileNetBackbone(blocks, low_level_index=stage_starts[1] - 1, aux_index=stage_starts[1])
     last_start = stage_starts[-1]
     dilations = {range(last_start, len(backbone) - 1): 2}
     if output_stride == 8:
         dilations = {range(stage_starts[-2], last_start): 2, range(last_start, len(backbone) - 1): 4}
-    for blocks, dilation in dilations.items():
-        for index in blocks:
-            for module in backbone[index].modules():
-                if isinstance(module, nn.Conv2d) and module.kernel_size[0] > 1:
-                    _dilate_conv(module, dilation)
+    for blocks_range, dilation in dilations.items():
+        for index in blocks_range:
+            for conv in _spatial_convs(backbone[index]):
+                _dilate_conv(conv, dilation)
     return backbone
 
 
@@ -168,23 +197,30 @@ _CONSTRUCTORS: dict[str, Callable[..., nn.Module]] = {
     "resnet34": functools.partial(_build_resnet, "resnet34"),
     "resnet50": functools.partial(_build_resnet, "resnet50"),
     "resnet101": functools.partial(_build_resnet, "resnet101"),
+    "mobilenet_v2": _build_mobilenet_v2,
     "mobilenet_v3_large": _build_mobilenet_v3_large,
 }
 
 
 def backbone_names() -> tuple[str, ...]:
-    """The backbones this module builds (a test checks they equal the config's choices)."""
+    """The torchvision backbones this module builds (a test checks they equal the config's choices; timm
+    encoders are named `timm:<name>`)."""
     return tuple(_CONSTRUCTORS)
 
 
 def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str = "none") -> nn.Module:
     """A backbone by name with randomly initialized or pretrained weights.
 
-    `name` and `output_stride` (8 or 16) are values the config validated. pretrained: "none"
-    (torchvision's random init), "imagenet" (torchvision's ImageNet checkpoint from the local torch hub
-    cache, see `imagenet_weights_file`; never downloaded), or a path to a state dict. Raises ValueError
-    for mismatching weights, FileNotFoundError for a missing weights file.
+    `name` and `output_stride` (8 or 16) are values the config validated; `timm:<name>` is a timm encoder
+    (model/timm_encoder.py). pretrained: "none" (torchvision's random init), "imagenet" (torchvision's
+    ImageNet checkpoint from the local torch hub cache, see `imagenet_weights_file`; never downloaded),
+    or a path to a state dict. Raises ValueError for mismatching weights, FileNotFoundError for a
+    missing weights file.
     """
+    timm_name = timm_model_name(name)
+    if timm_name is not None:
+        return build_timm_backbone(timm_name, output_stride=output_stride, norm_layer=norm_layer,
+                                   pretrained=pretrained)
     backbone = _CONSTRUCTORS[name](output_stride=output_stride, norm_layer=norm_layer)
     if pretrained in ("", "none"):
         return backbone
@@ -241,11 +277,12 @@ def _read_state_dict(path: Path) -> dict[str, Tensor]:
 def to_backbone_keys(backbone: nn.Module, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Map a torchvision classification state dict onto backbone keys.
 
-    ResNet: drop `fc.*`. MobileNetV3: drop `classifier.*` and strip the `features.` prefix. Keys of a
-    DeepLab checkpoint's backbone (`backbone.` prefix) lose that prefix. Other keys pass unchanged.
+    ResNet: drop `fc.*`. MobileNet: drop `classifier.*` and the blocks the backbone leaves out
+    (MobileNetV2's last 1x1 conv), and strip the `features.` prefix. Keys of a DeepLab checkpoint's
+    backbone (`backbone.` prefix) lose that prefix. Other keys pass unchanged.
     """
     mapped = {}
-    is_mobilenet = isinstance(backbone, MobileNetV3Backbone)
+    is_mobilenet = isinstance(backbone, MobileNetBackbone)
     for key, value in state_dict.items():
         if key.startswith("backbone."):
             key = key[len("backbone."):]
@@ -256,6 +293,8 @@ def to_backbone_keys(backbone: nn.Module, state_dict: Mapping[str, Tensor]) -> d
                 continue
             if key.startswith("features."):
                 key = key[len("features."):]
+                if int(key.split(".")[0]) >= len(backbone):
+                    continue
         mapped[key] = value
     return mapped
 

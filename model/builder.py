@@ -10,7 +10,8 @@ and `deeplabv3_mobilenet_v3_large(...).state_dict()` load directly (`load_segmen
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -118,39 +119,115 @@ def _logits_keys(model: nn.Module) -> set[str]:
     return keys
 
 
-def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]) -> list[str]:
-    """Load a segmentation state dict (ours or torchvision's DeepLabV3) for fine-tuning; return skipped keys.
+def compact_keys(selected: Iterable[str], universe: Iterable[str]) -> list[str]:
+    """`selected` keys, in `universe`'s order, with `module.*` standing for every key of `universe` under a
+    module when all of them are selected: e.g. ["backbone.*", "classifier.0.*", "classifier.4.weight"]."""
+    chosen = set(selected)
 
-    Keys of the final classifier convs (`classifier` and `aux_classifier`) whose shapes differ, i.e. the
-    number of classes changed, are skipped (logged, returned sorted); those layers keep their fresh
-    initialization. Any other shape mismatch, missing key or unexpected key raises ValueError. A
-    `module.` prefix on every key (a DataParallel state dict) is stripped.
+    def visit(prefix: str, keys: list[str]) -> list[str]:
+        picked = [key for key in keys if key in chosen]
+        if not picked:
+            return []
+        if prefix and len(picked) == len(keys):
+            return [f"{prefix}*"]
+        groups: dict[str, list[str]] = {}  # next name -> keys under it; a leaf key is its own group
+        for key in keys:
+            head, dot, _ = key[len(prefix):].partition(".")
+            groups.setdefault(f"{prefix}{head}." if dot else key, []).append(key)
+        out: list[str] = []
+        for name, group in groups.items():
+            out += visit(name, group) if name.endswith(".") else [name] if name in chosen else []
+        return out
+
+    return visit("", list(dict.fromkeys(universe)))
+
+
+@dataclass
+class LoadedWeights:
+    """What `load_segmentation_weights` did: `loaded` keys, `skipped` file keys (key -> why) and `missing`
+    model keys (left at their fresh initialization), with the key lists of the model and of the file."""
+
+    loaded: list[str]
+    skipped: dict[str, str]
+    missing: list[str]
+    model_keys: list[str] = field(repr=False, default_factory=list)
+    file_keys: list[str] = field(repr=False, default_factory=list)
+
+    def summary(self) -> str:
+        """One line naming every loaded, skipped and missing key (whole modules written as `module.*`,
+        BatchNorm counters counted)."""
+        loaded = _described(self.loaded, self.model_keys) or "nothing"
+        reasons: dict[str, list[str]] = {}
+        for key, reason in self.skipped.items():
+            reasons.setdefault(reason, []).append(key)
+        skipped = "; ".join(f"{_described(keys, self.file_keys)} ({reason})" for reason, keys in reasons.items())
+        missing = _described(self.missing, self.model_keys) or "none"
+        return (f"loaded {len(self.loaded)} of the model's {len(self.model_keys)} tensors: {loaded}; "
+                f"skipped {len(self.skipped)} of the file's {len(self.file_keys)}: {skipped or 'none'}; "
+                f"not in the file (kept freshly initialized): {missing}")
+
+
+def _is_counter(key: str) -> bool:
+    return key.endswith(".num_batches_tracked")
+
+
+def _described(keys: Iterable[str], universe: Iterable[str]) -> str:
+    keys = list(keys)
+    parts = compact_keys([k for k in keys if not _is_counter(k)], [k for k in universe if not _is_counter(k)])
+    modules = tuple(part[:-1] for part in parts if part.endswith("*"))
+    counters = sum(_is_counter(key) and not key.startswith(modules) for key in keys)  # outside a `module.*`
+    if counters:
+        parts.append(f"{counters} BatchNorm counter(s) (num_batches_tracked)")
+    return ", ".join(parts)
+
+
+def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]) -> LoadedWeights:
+    """Load a segmentation state dict (ours or torchvision's DeepLabV3) for fine-tuning.
+
+    Skipped, with the reason: the final classifier convs (`classifier`, `aux_classifier`) whose shapes
+    differ (the number of classes changed), `aux_classifier.*` when the model has none, and BatchNorm
+    counters (`num_batches_tracked`) a frozen BatchNorm does not keep. Missing and left freshly
+    initialized: `aux_classifier.*` when the file has none, and BatchNorm counters. Anything else that
+    does not match (a missing, unexpected or mis-shaped tensor: another architecture, backbone or
+    head width) raises one ValueError before any tensor is loaded. A `module.` prefix on every key (a
+    DataParallel / DDP state dict) is stripped.
     """
     model = unwrap_model(model)
     if state_dict and all(key.startswith("module.") for key in state_dict):
         state_dict = {key[len("module."):]: value for key, value in state_dict.items()}
     own = model.state_dict()
     logits_keys = _logits_keys(model)
-    skipped, mismatched = [], []
+    has_aux = getattr(model, "aux_classifier", None) is not None
+    loaded, skipped, mismatched, unexpected = [], {}, [], []
     for key, value in state_dict.items():
-        if key in own and own[key].shape != value.shape:
-            (skipped if key in logits_keys else mismatched).append(key)
-    if mismatched:
-        details = "; ".join(f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(own[k].shape)}"
-                            for k in mismatched[:10])
-        raise ValueError(
-            f"segmentation weights do not fit the model ({len(mismatched)} shape mismatches outside the "
-            f"classifier; different backbone or head width?): {details}"
-        )
-    filtered = {key: value for key, value in state_dict.items() if key not in skipped}
-    result = model.load_state_dict(filtered, strict=False)
-    missing = [key for key in result.missing_keys if key not in skipped]
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            "segmentation weights do not match the model (different architecture, backbone or aux_loss?): "
-            f"missing keys ({len(missing)}): {', '.join(missing[:10])}; "
-            f"unexpected keys ({len(result.unexpected_keys)}): {', '.join(result.unexpected_keys[:10])}"
-        )
-    if skipped:
-        logger.info("fine-tuning: kept the fresh classifier for %s (number of classes differs)", ", ".join(skipped))
-    return sorted(skipped)
+        if key in own and own[key].shape == value.shape:
+            loaded.append(key)
+        elif key in own and key in logits_keys:
+            skipped[key] = (f"{value.shape[0]} classes in the file, {own[key].shape[0]} in the model")
+        elif key in own:
+            mismatched.append(f"{key}: file {tuple(value.shape)} vs model {tuple(own[key].shape)}")
+        elif key.startswith("aux_classifier.") and not has_aux:
+            skipped[key] = "the model has no aux classifier: model.aux_loss=false"
+        elif _is_counter(key) and key.rsplit(".", 1)[0] + ".running_mean" in own:
+            skipped[key] = "frozen BatchNorm keeps no counter"
+        else:
+            unexpected.append(key)
+    missing = [key for key in own if key not in state_dict]
+    fatal_missing = [key for key in missing if not (key.startswith("aux_classifier.") or _is_counter(key))]
+    if fatal_missing or unexpected or mismatched:
+        problems = []
+        if fatal_missing:
+            problems.append(f"{len(fatal_missing)} missing tensor(s) (e.g. {fatal_missing[0]})")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected tensor(s) (e.g. {unexpected[0]})")
+        if mismatched:
+            problems.append(f"{len(mismatched)} shape mismatch(es) outside the classifier (e.g. {mismatched[0]})")
+        if not any(key.startswith("backbone.") for key in state_dict) and any(f"backbone.{key}" in own
+                                                                           for key in state_dict):
+            problems.append("the file looks like backbone (classification) weights: give it as "
+                            "model.pretrained_backbone instead")
+        raise ValueError("; ".join(problems))
+    result = model.load_state_dict({key: state_dict[key] for key in loaded}, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= set(missing) | set(skipped), result
+    return LoadedWeights(loaded=loaded, skipped=skipped, missing=missing, model_keys=list(own),
+                         file_keys=list(state_dict))

@@ -9,11 +9,17 @@ other BatchNorm settings (MobileNetV3: eps 1e-3, momentum 0.01) passes them the 
 - `frozen_bn`: torchvision's FrozenBatchNorm2d in the backbone (fixed pretrained statistics and affine
   parameters; momentum does not apply), SynchronizedBatchNorm2d in the randomly initialized head, since
   frozen statistics only make sense for pretrained layers.
+
+A network built elsewhere (a timm encoder) gets the backbone norm with `adopt_batch_norms`: each of its
+BatchNorm2d layers is replaced by that norm with the same eps, momentum and tensors; timm's
+BatchNormAct2d (a BatchNorm2d that also applies its `drop` and `act`) becomes the norm's `...Act2d`
+twin below, with the same state-dict keys.
 """
 from __future__ import annotations
 
 from typing import Callable, Protocol
 
+import torch
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
@@ -58,3 +64,68 @@ def norm_kinds() -> tuple[str, ...]:
 def synchronizes_statistics(kind: str) -> bool:
     """Whether a model built with `kind` has BatchNorm layers that reduce over devices and processes."""
     return any(layer is _synchronized for layer in _LAYERS[kind])
+
+
+class _ThenDropAndActivation:
+    """Mixin: the norm, then `self.drop` and `self.act` (timm's BatchNormAct2d order)."""
+
+    drop: nn.Module
+    act: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))  # type: ignore[misc]
+
+
+class SynchronizedBatchNormAct2d(_ThenDropAndActivation, SynchronizedBatchNorm2d):
+    """SynchronizedBatchNorm2d, then drop and act: what a timm BatchNormAct2d becomes under `syncbn`."""
+
+
+class FrozenBatchNormAct2d(_ThenDropAndActivation, FrozenBatchNorm2d):
+    """FrozenBatchNorm2d, then drop and act: what a timm BatchNormAct2d becomes under `frozen_bn`."""
+
+
+def _synchronized_act(num_channels: int, *, eps: float, momentum: float) -> nn.Module:
+    return SynchronizedBatchNormAct2d(num_channels, eps=eps, momentum=momentum)
+
+
+def _frozen_act(num_channels: int, *, eps: float, momentum: float) -> nn.Module:
+    del momentum  # frozen statistics are never updated
+    return FrozenBatchNormAct2d(num_channels, eps=eps)
+
+
+# backbone norm layer -> its twin that also applies timm's drop and act
+_WITH_ACTIVATION = {_synchronized: _synchronized_act, _frozen: _frozen_act}
+
+
+def _replacement(norm: nn.BatchNorm2d, layer: Callable[..., nn.Module]) -> nn.Module:
+    assert norm.affine and norm.track_running_stats, f"unsupported BatchNorm2d settings in {norm!r}"
+    momentum = 0.1 if norm.momentum is None else norm.momentum
+    with_activation = hasattr(norm, "act") and hasattr(norm, "drop")
+    if with_activation:
+        new = _WITH_ACTIVATION[layer](norm.num_features, eps=norm.eps, momentum=momentum)
+        new.drop, new.act = norm.drop, norm.act
+    else:
+        new = layer(norm.num_features, eps=norm.eps, momentum=momentum)
+    if isinstance(new, FrozenBatchNorm2d):  # buffers only: copy the values
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            getattr(new, name).copy_(getattr(norm, name).detach())
+    else:  # the same tensors, as model.sync_batchnorm.convert_model does
+        new.weight, new.bias = norm.weight, norm.bias
+        new.running_mean, new.running_var = norm.running_mean, norm.running_var
+        new.num_batches_tracked = norm.num_batches_tracked
+    new.train(norm.training)
+    return new
+
+
+def adopt_batch_norms(module: nn.Module, norm_layer: Callable[..., nn.Module]) -> nn.Module:
+    """Give a network built elsewhere (a timm encoder) the backbone norm `norm_layer` of `norm_layers`:
+    every nn.BatchNorm2d (subclasses included) is replaced, in place, keeping its eps, momentum and
+    tensors. With `bn` (or nn.BatchNorm2d itself) the network already has it and is returned as is."""
+    if norm_layer in (_batch_norm, nn.BatchNorm2d):
+        return module
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            setattr(module, name, _replacement(child, norm_layer))
+        else:
+            adopt_batch_norms(child, norm_layer)
+    return module

@@ -47,10 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_size(text: str | None, default: int) -> tuple[int, int]:
-    """'H,W' (or one number for a square) -> (H, W), each at least 32; ValueError otherwise."""
+def parse_size(text: str | None, default: tuple[int, int]) -> tuple[int, int]:
+    """'H,W' (or one number for a square) -> (H, W), each at least 32; `default` (data.crop_size, H,W)
+    when `text` is None; ValueError otherwise."""
     if text is None:
-        return max(32, default), max(32, default)
+        return max(32, default[0]), max(32, default[1])
     try:
         values = [int(part) for part in text.replace("x", ",").split(",") if part.strip()]
     except ValueError:
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                                export_ready, load_runner, sample_inputs)
 
     if args.size is not None:
-        parse_size(args.size, 0)  # a bad --size fails before the model is loaded
+        parse_size(args.size, (0, 0))  # a bad --size fails before the model is loaded
     checkpoint = Path(args.checkpoint)
     output = Path(args.output) if args.output else checkpoint.with_name(checkpoint.stem + SUFFIXES[args.format])
     if output.resolve() == checkpoint.resolve():

@@ -124,14 +124,15 @@ def run(args: argparse.Namespace) -> int:
         # H x W x 3 uint8 RGB, upright as viewers show it; BadSampleError (a ValueError) if unreadable
         image = read_image(image_path, exif_orientation=True)
         height, width = image.shape[:2]
-        if too_large(max(height, width), base_size=base_size, crop_size=config.data.crop_size, mode=eval_cfg.mode):
+        crop = config.data.crop_size  # (height, width)
+        if too_large(max(height, width), base_size=base_size, crop_size=max(crop), mode=eval_cfg.mode):
             if not large:
-                logger.warning("%s is %dx%d, more than %d times the training crop (data.crop_size=%d): objects in it "
+                crop_text = str(crop[0]) if crop[0] == crop[1] else f"{crop[0]},{crop[1]}"
+                logger.warning("%s is %dx%d, more than %d times the training crop (data.crop_size=%s): objects in it "
                                "are probably far larger than the model saw in training, and it may mislabel them. "
                                "Set data.base_size=%d to predict at a long side of that size (or use --mode slide "
-                               "with eval.window_size=%d if the model was trained on crops of images this large)",
-                               image_path, width, height, LARGE_IMAGE_FACTOR, config.data.crop_size,
-                               config.data.crop_size, config.data.crop_size)
+                               "with eval.window_size=%s if the model was trained on crops of images this large)",
+                               image_path, width, height, LARGE_IMAGE_FACTOR, crop_text, max(crop), crop_text)
             large.append(image_path)
         batch = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].to(device)
         inputs = normalize_batch(batch, config.data.mean, config.data.std)
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
 def too_large(long_side: int, *, base_size: int, crop_size: int, mode: str) -> bool:
     """Whether an image is predicted at a scale far beyond training's: in whole-image mode, its long
-    side (data.base_size when that resizes it) over LARGE_IMAGE_FACTOR training crops."""
+    side (data.base_size when that resizes it) over LARGE_IMAGE_FACTOR times the crop's long side."""
     predicted = base_size if base_size > 0 else long_side
     return mode == "whole" and predicted > LARGE_IMAGE_FACTOR * crop_size
 

@@ -3,6 +3,7 @@ per-class pixel frequencies (with median-frequency class weights usable as train
 
     python scripts/verify_dataset.py --config voc.yaml data.root=/data/VOCdevkit/VOC2012
     python scripts/verify_dataset.py --config cityscapes.yaml --splits val --workers 8 --output stats.json
+    python scripts/verify_dataset.py --config ade20k.yaml data.root=/data/ADEChallengeData2016
 
 Exit status: 0 when every sample is good, 1 when some are bad (each is listed), 2 when the dataset or
 config cannot be opened. A count that differs from the official one is reported, not an error.
@@ -28,6 +29,8 @@ EXPECTED_COUNTS = {
     ("voc", "train_aug"): 10582,
     ("cityscapes", "train"): 2975,
     ("cityscapes", "val"): 500,
+    ("ade20k", "training"): 20210,
+    ("ade20k", "validation"): 2000,
 }
 
 
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     total_bad = 0
     for split, dataset in datasets.items():
         stats = verify_split(dataset, workers=args.workers, limit=args.limit)
-        expected = EXPECTED_COUNTS.get((data_cfg.dataset, split))
+        # the dataset's own name for the split (ADE20K: train -> training)
+        expected = EXPECTED_COUNTS.get((data_cfg.dataset, getattr(dataset, "split", split)))
         stats["expected_samples"] = expected
         report["splits"][split] = stats
         total_bad += stats["num_bad"]

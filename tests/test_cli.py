@@ -114,7 +114,7 @@ def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, cap
     assert evaluate.main(["--checkpoint", str(tmp_path / "last.pt"), "--mode", "slide", "eval.stride=100",
                           "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["eval"]["mode"] == "slide" and printed["eval"]["stride"] == 100
+    assert printed["eval"]["mode"] == "slide" and printed["eval"]["stride"] == [100, 100]  # (height, width)
     assert printed["train"]["iters"] == 9 and printed["model"]["pretrained_backbone"] == "none"
     assert evaluate.main(["--checkpoint", str(tmp_path / "none.pt"), "--print-config"]) == 2
     assert "none.pt" in capsys.readouterr().err

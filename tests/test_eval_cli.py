@@ -122,7 +122,7 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     capsys.readouterr()
     assert runs["scale1"]["iou"] == runs["plain"]["iou"]
     assert runs["bigslide"]["iou"] == runs["plain"]["iou"]  # window larger than the 48 px images
-    assert runs["tta"]["protocol"] == {"mode": "slide", "window_size": 40, "stride": 24, "scales": [0.75, 1.0],
+    assert runs["tta"]["protocol"] == {"mode": "slide", "window_size": [40, 40], "stride": [24, 24], "scales": [0.75, 1.0],
                                        "flip": True, "base_size": 0, "amp": "off", "ignore_index": 255}
     assert runs["tta"]["num_images"] == 2
 
@@ -133,7 +133,7 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     (["model.head_channels=16"], "shape mismatch"),
     (["data.num_classes=4"], "predicts 6 classes"),
     (["no.such_key=1"], "unknown config key"),
-    (["--mode", "slide", "eval.window_size=32", "eval.stride=40"], "eval.stride=40 > eval.window_size=32"),
+    (["--mode", "slide", "eval.window_size=32", "eval.stride=40"], "eval.stride=40,40 > eval.window_size=32,32"),
     (["--mode", "tiles"], "eval.mode='tiles' is not one of whole, slide"),
     (["--amp", "fp8"], "eval.amp='fp8' is not one of off, fp16, bf16"),
     (["--device", "tpu"], "--device 'tpu'"),
@@ -202,6 +202,33 @@ def test_cityscapes_label_ids_score_the_same_with_the_official_script(tmp_path, 
             assert scores["iou"] is None
         else:
             assert scores["iou"] == pytest.approx(official_iou, abs=1e-12)
+
+
+def test_ade20k_predictions_are_saved_as_raw_labels_1_to_150_and_score_like_numpy(tmp_path, capsys):
+    """The saved labels/ PNGs are the benchmark's raw values (class + 1); mIoU recomputed in numpy on the
+    raw annotations (0 = "other", left out) equals eval.py's."""
+    from tests.data.conftest import make_ade20k_tree
+
+    root = tmp_path / "ADEChallengeData2016"
+    raw_masks = make_ade20k_tree(root, counts={"validation": 2})
+    checkpoint = tmp_path / "ade.pt"
+    _make_checkpoint(checkpoint, ["data.dataset=ade20k", f"data.root={root}", "data.val_split=validation",
+                                  *TINY[:4], "data.num_workers=0"], seed=2)
+    cli = _load_cli()
+    output, predictions = tmp_path / "ade.json", tmp_path / "results"
+    assert cli.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--no-progress", "--output", str(output),
+                     "--save-predictions", str(predictions)]) == 0
+    capsys.readouterr()
+    record = json.loads(output.read_text())
+    confusion = np.zeros((150, 150), dtype=np.int64)
+    for stem, raw in raw_masks.items():
+        saved = np.asarray(Image.open(predictions / "labels" / f"{stem}.png"))
+        assert saved.min() >= 1 and saved.max() <= 150  # raw values, never 0 ("other")
+        keep = raw > 0
+        np.add.at(confusion, (raw[keep].astype(int) - 1, saved[keep].astype(int) - 1), 1)
+    union = confusion.sum(0) + confusion.sum(1) - np.diag(confusion)
+    iou = np.diag(confusion)[union > 0] / union[union > 0]
+    assert record["num_images"] == 2 and record["miou"] == pytest.approx(iou.mean(), abs=1e-12)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -186,3 +187,43 @@ def test_init_checkpoint_fine_tunes_with_a_new_class_count(tmp_path, caplog):
     assert differing and all(k.startswith("classifier") for k in differing)
     assert all(torch.equal(saved[k], state[k]) for k in saved if k not in differing)
     assert any("skipped" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.slow
+def test_fine_tuning_from_torchvision_deeplabv3_weights_loads_all_but_the_classifier(tmp_path, caplog, capsys):
+    """The issue's acceptance check: a torchvision-style state dict (21 VOC classes) fine-tunes on the
+    6-class synthetic set; only the classifier's last conv stays fresh, and another backbone is one line."""
+    import torchvision
+
+    from engine.config_io import load_config
+    from engine.distributed import DistInfo
+    from engine.trainer import Trainer
+
+    torch.manual_seed(0)
+    reference = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=21)
+    state = reference.state_dict()
+    path = tmp_path / "deeplabv3_resnet50_coco-cd0a2569.pth"  # torchvision's file name
+    torch.save({f"module.{key}": value for key, value in state.items()}, path)  # as a DDP run would save it
+    overrides = [f"output_dir={tmp_path / 'tuned'}", *TINY, "model.arch=deeplabv3", "model.backbone=resnet50",
+                 "model.head_channels=256", "model.aspp_rates=12,24,36", "train.iters=2", "train.val_interval=2",
+                 "train.batch_size=2",
+                 f"model.init_checkpoint={path}"]
+    with caplog.at_level("INFO", logger="engine.checkpoint"):
+        trainer = Trainer(load_config("demo.yaml", overrides), DistInfo(), progress=False)
+    tuned = trainer.model.state_dict()
+    assert trainer.num_classes == 6
+    differing = {key for key in state if not torch.equal(state[key], tuned[key])}
+    assert differing == {"classifier.4.weight", "classifier.4.bias"} and tuned["classifier.4.weight"].shape[0] == 6
+    (record,) = [r.getMessage() for r in caplog.records if path.name in r.getMessage()]
+    assert f"loaded {len(state) - 2} of the model's {len(state)} tensors" in record
+    assert "skipped 2 of the file's" in record and "classifier.4.* (21 classes in the file, 6 in the model)" in record
+    result = trainer.fit()
+    trainer.close()
+    assert sorted(result.losses) == [1, 2] and all(math.isfinite(v) for v in result.losses.values())
+
+    train = importlib.import_module("train")
+    code = train.main(["--config", "demo.yaml", f"output_dir={tmp_path / 'wrong'}", *TINY,
+                       f"model.init_checkpoint={path}", "model.arch=deeplabv3"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith("train.py: error: model.init_checkpoint") and "does not fit the model" in errors[0]

@@ -1,4 +1,4 @@
-"""Tiny on-disk dataset trees (VOC, Cityscapes, folder) built from the synthetic generator."""
+"""Tiny on-disk dataset trees (VOC, Cityscapes, ADE20K, folder) built from the synthetic generator."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -68,6 +68,26 @@ def make_cityscapes_tree(root: Path, *, split_cities=None) -> dict:
     return masks
 
 
+def make_ade20k_tree(root: Path, *, counts=None) -> dict:
+    """ADEChallengeData2016 with JPEG images and single-channel annotations 0..150 (every raw value
+    present in the training split); returns {stem: raw annotation}."""
+    counts = counts or {"training": 3, "validation": 2}
+    masks = {}
+    for split, count in counts.items():
+        prefix = "ADE_train" if split == "training" else "ADE_val"
+        for index in range(count):
+            stem = f"{prefix}_{index + 1:08d}"
+            image, shapes = synthetic_pair(200 + index + 10 * len(masks), 24)
+            raw = ((np.arange(24 * 32).reshape(24, 32) + 61 * index) % 151).astype(np.uint8)
+            raw[:, :24][shapes > 0] = 0  # "other" where the shapes are
+            write_rgb(root / "images" / split / f"{stem}.jpg", np.concatenate([image, image[:, :8]], axis=1))
+            path = root / "annotations" / split / f"{stem}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(raw, mode="L").save(path)
+            masks[stem] = raw
+    return masks
+
+
 @pytest.fixture
 def voc_root(tmp_path):
     root = tmp_path / "VOCdevkit" / "VOC2012"
@@ -79,4 +99,11 @@ def voc_root(tmp_path):
 def cityscapes_root(tmp_path):
     root = tmp_path / "cityscapes"
     masks = make_cityscapes_tree(root)
+    return root, masks
+
+
+@pytest.fixture
+def ade20k_root(tmp_path):
+    root = tmp_path / "ADEChallengeData2016"
+    masks = make_ade20k_tree(root)
     return root, masks

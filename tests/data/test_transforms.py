@@ -146,8 +146,9 @@ def test_two_workers_produce_different_augmentations():
     assert all(torch.equal(a, b) for a, b in zip(batches, again))
 
 
+@pytest.mark.parametrize("crop", [256, (200, 320), (320, 120)])
 @pytest.mark.parametrize("scale, top, left", [(1.0, 0, 0), (1.7, 100, 37), (0.6, 0, 0), (1.31, 3, 50), (2.0, 300, 600)])
-def test_random_scale_crop_matches_resize_pad_crop_reference(scale, top, left):
+def test_random_scale_crop_matches_resize_pad_crop_reference(scale, top, left, crop):
     # Reference: resize the whole image, pad bottom/right (0 / 255), crop at (top, left).
     from data.transforms import RandomScaleCrop
 
@@ -155,20 +156,58 @@ def test_random_scale_crop_matches_resize_pad_crop_reference(scale, top, left):
                    np.random.default_rng(6).integers(0, 21, (375, 500), dtype=np.uint8))
     image = cv2.GaussianBlur(image, (0, 0), 4)  # smooth, so a sub-pixel shift changes little
     mask = cv2.resize(mask[::25, ::25], (500, 375), interpolation=cv2.INTER_NEAREST)  # blocky labels
-    crop = 256
+    crop_h, crop_w = (crop, crop) if isinstance(crop, int) else crop
     transform = RandomScaleCrop(crop, (0.5, 2.0))
     scaled_shape = (round(375 * scale), round(500 * scale))
+    top, left = min(top, max(0, scaled_shape[0] - crop_h)), min(left, max(0, scaled_shape[1] - crop_w))
     params = {"scale": scale, "top": top, "left": left, "scaled_shape": scaled_shape}
     out_image, out_mask = transform.apply(image, **params), transform.apply_to_mask(mask, **params)
 
     def reference(array, interpolation, fill):
         resized = cv2.resize(array, (scaled_shape[1], scaled_shape[0]), interpolation=interpolation)
-        pad = ((0, max(0, crop - resized.shape[0])), (0, max(0, crop - resized.shape[1]))) + ((0, 0),) * (array.ndim - 2)
-        padded = np.pad(resized, pad, constant_values=fill)
-        return padded[top:top + crop, left:left + crop]
+        pad = ((0, max(0, crop_h - resized.shape[0])), (0, max(0, crop_w - resized.shape[1])))
+        padded = np.pad(resized, pad + ((0, 0),) * (array.ndim - 2), constant_values=fill)
+        return padded[top:top + crop_h, left:left + crop_w]
 
     ref_image, ref_mask = reference(image, cv2.INTER_LINEAR, 0), reference(mask, cv2.INTER_NEAREST, 255)
-    assert out_image.shape == ref_image.shape and out_mask.shape == ref_mask.shape
+    assert out_image.shape == ref_image.shape == (crop_h, crop_w, 3) and out_mask.shape == (crop_h, crop_w)
     assert np.array_equal(out_mask == 255, ref_mask == 255)  # the padded region is exactly the same
     assert (out_mask == ref_mask).mean() > 0.97
     assert np.abs(out_image.astype(int) - ref_image.astype(int)).mean() < 2.0
+
+
+@pytest.mark.parametrize("crop", [(24, 64), (64, 24)])
+def test_rectangular_crops_pad_with_the_ignore_label_and_draw_offsets_per_axis(crop):
+    from data.transforms import RandomScaleCrop
+
+    image = np.full((20, 30, 3), 200, dtype=np.uint8)
+    mask = np.zeros((20, 30), dtype=np.uint8)
+    transform = PairTransform(build_train_augmentation(crop, (1.0, 1.0), hflip=False, ignore_index=254), random=True)
+    torch.manual_seed(0)
+    out_image, out_mask = _run(transform, image, mask)
+    assert out_image.shape == (3, *crop) and out_mask.shape == crop
+    assert (out_mask == 0).sum() == min(20, crop[0]) * min(30, crop[1])  # the visible part of the image
+    assert set(np.unique(out_mask).tolist()) == {0, 254} and (out_image[:, out_mask == 254] == 0).all()
+    # offsets: within [0, scaled - crop] on each axis separately (here a 100 x 50 image)
+    picker = RandomScaleCrop(crop, (1.0, 1.0))
+    offsets = set()
+    for seed in range(200):
+        picker.set_random_seed(seed)
+        params = picker.get_params_dependent_on_data({"shape": (100, 50, 3)}, {})
+        offsets.add((params["top"], params["left"]))
+    tops, lefts = {t for t, _ in offsets}, {left for _, left in offsets}
+    top_range, left_range = set(range(100 - crop[0] + 1)), set(range(max(50, crop[1]) - crop[1] + 1))
+    assert tops <= top_range and lefts <= left_range
+    assert len(tops) > len(top_range) // 2 and len(lefts) > len(left_range) // 2  # drawn on each axis
+
+
+def test_square_crop_given_as_one_integer_or_as_a_pair_is_the_same_augmentation():
+    image = np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    mask = np.random.default_rng(1).integers(0, 5, (50, 70), dtype=np.uint8)
+    outputs = []
+    for crop in (40, (40, 40)):
+        transform = build_train_transform(DataConfig(crop_size=crop, scale_range=(0.5, 2.0)))
+        torch.manual_seed(3)
+        outputs.append([_run(transform, image, mask) for _ in range(5)])
+    for (image_a, mask_a), (image_b, mask_b) in zip(*outputs):
+        assert np.array_equal(image_a, image_b) and np.array_equal(mask_a, mask_b)

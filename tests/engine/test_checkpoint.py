@@ -10,9 +10,11 @@ from torch import nn
 
 from engine.checkpoint import (
     FORMAT_VERSION,
+    init_from_weights,
     load_checkpoint,
     load_inference_model,
     load_model_weights,
+    load_weights_file,
     save_checkpoint,
 )
 from engine.config import Config, ModelConfig
@@ -147,7 +149,7 @@ def test_load_inference_model_rebuilds_the_model_with_its_weights_in_eval_mode(t
     loaded = load_inference_model(path, device=torch.device("cpu"), overrides=["eval.stride=7"],
                                   flags={"eval.mode": "slide", "eval.amp": "off", "eval.flip": None})
     assert not loaded.model.training and loaded.iteration == 12 and loaded.classes[5] == "c5"
-    assert loaded.config.eval.mode == "slide" and loaded.config.eval.stride == 7 and loaded.config.eval.amp == "off"
+    assert loaded.config.eval.mode == "slide" and loaded.config.eval.stride == (7, 7) and loaded.config.eval.amp == "off"
     assert loaded.config.eval.flip is False  # None flags leave the stored value
     for key, value in source.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[key], value), key
@@ -204,3 +206,65 @@ def test_a_safetensors_release_file_loads_like_a_checkpoint(tmp_path):
     release.write_bytes(b"garbage")
     with pytest.raises(ValueError, match="best.safetensors' could not be read"):
         load_checkpoint(release)
+
+
+# ------------------------------------------------------------------------------ fine-tuning files
+def _small_model(num_classes: int, **settings) -> nn.Module:
+    values = dict(arch="deeplabv3plus", backbone="resnet18", head_channels=8)
+    values.update(settings)
+    return build_model(ModelConfig(**values), num_classes)
+
+
+def test_weights_files_of_every_accepted_shape_give_the_same_state_dict(tmp_path):
+    torch.manual_seed(0)
+    state = _small_model(21).state_dict()
+    files = {
+        "plain": state,  # torchvision's deeplabv3_*_coco-*.pth files are this
+        "data_parallel": {f"module.{key}": value for key, value in state.items()},
+        "under_state_dict": {"state_dict": state, "meta": {"epoch": 3}},
+        "under_model": {"model": state, "optimizer": {}},
+        "syncseg": {"format_version": FORMAT_VERSION, "model": state, "config": to_dict(Config()), "classes": [],
+                    "iteration": 40},
+    }
+    kinds = {}
+    for name, content in files.items():
+        torch.save(content, tmp_path / f"{name}.pth")
+        model = _small_model(6)
+        report = init_from_weights(model, tmp_path / f"{name}.pth", model_cfg=ModelConfig())
+        assert sorted(report.skipped) == ["classifier.to_logits.bias", "classifier.to_logits.weight"], name
+        assert all(torch.equal(model.state_dict()[key], state[key]) for key in report.loaded), name
+        kinds[name] = load_weights_file(tmp_path / f"{name}.pth")[1]
+    assert kinds == {"plain": "a plain state dict", "data_parallel": "a plain state dict",
+                     "under_state_dict": "a state dict under 'state_dict'", "under_model": "a state dict under 'model'",
+                     "syncseg": "a syncseg checkpoint, iteration 40"}
+
+
+def test_weights_file_errors_name_the_file_and_what_was_expected(tmp_path):
+    with pytest.raises(FileNotFoundError, match="'.*nope.pth' not found.*deeplabv3_resnet101_coco-586e9e4e.pth.*"
+                                                "nothing is downloaded"):
+        load_weights_file(tmp_path / "nope.pth")
+    (tmp_path / "text.pth").write_text("hello")
+    with pytest.raises(ValueError, match="text.pth' could not be read"):
+        load_weights_file(tmp_path / "text.pth")
+    torch.save({"epoch": 3, "lr": 0.1}, tmp_path / "nothing.pth")
+    with pytest.raises(ValueError, match="nothing.pth' holds no state dict"):
+        load_weights_file(tmp_path / "nothing.pth")
+
+
+def test_a_wrong_architecture_is_one_line_naming_file_and_both_architectures(tmp_path, caplog):
+    torch.save(_small_model(21, backbone="resnet34").state_dict(), tmp_path / "r34.pth")
+    with pytest.raises(ValueError) as error:
+        init_from_weights(_small_model(6), tmp_path / "r34.pth", model_cfg=ModelConfig(backbone="resnet18"))
+    message = str(error.value)
+    assert "\n" not in message and "r34.pth' (a plain state dict) does not fit the model" in message
+    assert "model.backbone=resnet18" in message and "96 unexpected tensor(s) (e.g. backbone.layer1.2.conv1.weight)" in message
+    # a good file logs exactly what was loaded, skipped and left fresh, in one record
+    torch.save(_small_model(21, aux_loss=True).state_dict(), tmp_path / "aux.pth")
+    with caplog.at_level("INFO", logger="engine.checkpoint"):
+        init_from_weights(_small_model(6), tmp_path / "aux.pth", model_cfg=ModelConfig())
+    (record,) = [r.getMessage() for r in caplog.records if "aux.pth" in r.getMessage()]
+    assert ("loaded 174 of the model's 176 tensors: backbone.*, classifier.aspp.*, classifier.low_level_project.*, "
+            "classifier.decoder.*;") in record
+    assert "classifier.to_logits.* (21 classes in the file, 6 in the model)" in record
+    assert "aux_classifier.* (the model has no aux classifier" in record
+    assert "not in the file (kept freshly initialized): none" in record

@@ -42,7 +42,7 @@ def test_builders_build_exactly_the_configured_choices():
 
 
 def test_every_shipped_config_loads():
-    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml"):
+    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml", "cityscapes_512x1024.yaml", "ade20k.yaml"):
         config = load_config(name)
         assert config.name and config.run_dir.name == config.name
 
@@ -55,7 +55,7 @@ def test_base_chain_merges_base_first_then_file_then_overrides(tmp_path):
     config = load_config(leaf, ["train.lr=0.25"])
     assert config.name == "leaf"
     assert config.train.iters == 20 and config.train.lr == 0.25  # middle over root; command line over all
-    assert config.data.crop_size == 64 and config.data.hflip is False  # sections merge key by key
+    assert config.data.crop_size == (64, 64) and config.data.hflip is False  # sections merge key by key
     assert config.model.backbone == "resnet18" and config.model.arch == "deeplabv3plus"  # untouched default
 
 
@@ -142,11 +142,37 @@ def test_dict_round_trip_and_yaml_file(tmp_path):
         from_dict({**plain, "train": {**plain["train"], "bogus": 1}})
 
 
+@pytest.mark.parametrize("value,expected", [
+    ("513", (513, 513)), ("512,1024", (512, 1024)), ("[512, 1024]", (512, 1024)), ("(64)", (64, 64)),
+    (96, (96, 96)), ([96], (96, 96)), ([512, 1024], (512, 1024)), (96.0, (96, 96)),
+])
+def test_pixel_sizes_are_height_width_and_one_integer_is_a_square(value, expected):
+    assert build_config({"data.crop_size": value, "eval.window_size": value}).data.crop_size == expected
+    assert build_config({"eval.window_size": value, "eval.stride": value}).eval.window_size == expected
+
+
+@pytest.mark.parametrize("value", ["1,2,3", "a", "2.5", "true", "", True, [1, 2, 3], {"h": 1}])
+def test_pixel_sizes_reject_anything_but_one_or_two_integers(value):
+    with pytest.raises(ValueError, match=r"'data.crop_size' expects H,W \(two integers, or one for a square\)"):
+        build_config({"data.crop_size": value})
+
+
+def test_configs_and_checkpoints_with_one_integer_sizes_still_load(tmp_path):
+    old = to_dict(Config())
+    old["data"]["crop_size"], old["eval"]["window_size"], old["eval"]["stride"] = 96, 769, 513  # before H,W
+    config = from_dict(old)
+    assert (config.data.crop_size, config.eval.window_size, config.eval.stride) == ((96, 96), (769, 769), (513, 513))
+    assert to_dict(config)["data"]["crop_size"] == [96, 96]
+    leaf = write(tmp_path / "old.yaml", {"data": {"crop_size": 321}, "eval": {"crop_size": 400}})
+    config = load_config(leaf)
+    assert config.data.crop_size == (321, 321) and config.eval.window_size == (400, 400)
+
+
 def test_renamed_key_still_reads_old_files_and_checkpoints():
     old = to_dict(Config())
     old["eval"] = {k: v for k, v in old["eval"].items() if k != "window_size"} | {"crop_size": 769}
-    assert from_dict(old).eval.window_size == 769
-    assert load_config(None, ["eval.crop_size=321"]).eval.window_size == 321
+    assert from_dict(old).eval.window_size == (769, 769)
+    assert load_config(None, ["eval.crop_size=321"]).eval.window_size == (321, 321)
 
 
 def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources():
@@ -160,7 +186,7 @@ def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources(
 
 # -------------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("override,message", [
-    ("data.dataset=imagenet", "data.dataset='imagenet' is not one of voc, cityscapes, synthetic, folder"),
+    ("data.dataset=imagenet", "data.dataset='imagenet' is not one of voc, cityscapes, ade20k, synthetic, folder"),
     ("model.arch=unet", "model.arch='unet' is not one of deeplabv3, deeplabv3plus"),
     ("model.backbone=resnet152", "model.backbone='resnet152' is not one of resnet18"),
     ("model.output_stride=32", "model.output_stride=32 is not one of 8, 16"),
@@ -169,9 +195,11 @@ def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources(
     ("train.amp=fp8", "train.amp='fp8' is not one of off, fp16, bf16"),
     ("eval.amp=int8", "eval.amp='int8' is not one of off, fp16, bf16"),
     ("eval.mode=tiles", "eval.mode='tiles' is not one of whole, slide"),
-    ("data.crop_size=0", "data.crop_size=0: must be >= 1"),
+    ("data.crop_size=0", "data.crop_size=0,0: every value must be >= 1"),
+    ("data.crop_size=512,0", "data.crop_size=512,0: every value must be >= 1"),
     ("train.iters=0", "train.iters=0: must be >= 1"),
     ("train.batch_size=-2", "train.batch_size=-2: must be >= 1"),
+    ("train.accumulate=0", "train.accumulate=0: must be >= 1"),
     ("train.lr=0", "train.lr=0.0: must be > 0"),
     ("train.ohem_thresh=1.5", "train.ohem_thresh=1.5: must be > 0 and <= 1"),
     ("train.class_weights=1,-1", "train.class_weights=1.0,-1.0: every value must be >= 0"),
@@ -198,9 +226,17 @@ def test_every_invalid_value_names_key_value_and_expectation(override, message):
 
 
 def test_cross_field_rules():
-    with pytest.raises(ValueError, match="eval.stride=600 > eval.window_size=513"):
+    with pytest.raises(ValueError, match="eval.stride=600,600 > eval.window_size=513,513"):
         load_config(None, ["eval.mode=slide", "eval.stride=600"])
-    assert load_config(None, ["eval.mode=whole", "eval.stride=600"]).eval.stride == 600  # only slide uses it
+    with pytest.raises(ValueError, match=r"eval.stride=300,600 > eval.window_size=512,512 \(height,width\)"):
+        load_config(None, ["eval.mode=slide", "eval.window_size=512", "eval.stride=300,600"])
+    assert load_config(None, ["eval.mode=slide", "eval.window_size=512,1024", "eval.stride=300,600"])
+    assert load_config(None, ["eval.mode=whole", "eval.stride=600"]).eval.stride == (600, 600)  # only slide uses it
+    with pytest.raises(ValueError, match="train.accumulate=5 > train.batch_size=4"):
+        load_config(None, ["train.batch_size=4", "train.accumulate=5"])
+    with pytest.raises(ValueError, match="train.ohem with train.accumulate=2: OHEM picks its pixels"):
+        load_config(None, ["train.ohem=true", "train.accumulate=2"])
+    assert load_config(None, ["train.ohem=true", "train.accumulate=1"]).train.ohem
     with pytest.raises(ValueError, match="dataset 'voc' has a fixed class list"):
         load_config(None, ["data.dataset=voc", "data.num_classes=5"])
     with pytest.raises(ValueError, match="dataset 'folder' needs data.num_classes"):
@@ -214,6 +250,8 @@ def test_cross_field_rules():
 def test_validate_checks_dataclasses_built_directly():
     with pytest.raises(ValueError, match="direct: eval.window_size=0"):
         validate(Config(eval=EvalConfig(window_size=0)), source="direct")
+    with pytest.raises(ValueError, match="direct: eval.stride=9,9 > eval.window_size=8,8"):
+        validate(Config(eval=EvalConfig(mode="slide", window_size=8, stride=9)), source="direct")
     validate(Config(data=DataConfig(dataset="folder", num_classes=3)))
 
 

@@ -57,29 +57,34 @@ def test_slide_with_window_larger_than_image_equals_whole():
     assert torch.equal(predict(model, images, num_classes=4, mode="slide", window_size=30, stride=7), whole)
 
 
-def test_slide_of_a_per_pixel_model_equals_whole():
+@pytest.mark.parametrize("window,stride", [(16, 11), ((9, 20), (5, 13)), ((40, 12), (40, 7))])
+def test_slide_of_a_per_pixel_model_equals_whole(window, stride):
     model = PixelNet().eval()
     images = _images(h=37, w=50)
     whole = predict(model, images, num_classes=3)
-    slide = predict(model, images, num_classes=3, mode="slide", window_size=16, stride=11)
+    slide = predict(model, images, num_classes=3, mode="slide", window_size=window, stride=stride)
     torch.testing.assert_close(slide, whole, rtol=1e-5, atol=1e-6)
 
 
-def test_slide_averages_overlapping_windows_like_a_float64_reference():
+@pytest.mark.parametrize("crop,stride", [((16, 16), (10, 10)), ((12, 20), (5, 9)), ((30, 8), (30, 6))])
+def test_slide_averages_overlapping_windows_like_a_float64_reference(crop, stride):
+    """Windows of crop = (height, width) every stride = (down, across) pixels, as in mmseg's slide_inference."""
     model = ConvNet().eval()
     images = _images(n=1, h=26, w=35)
-    crop, stride = 16, 10
+    (crop_h, crop_w), (stride_h, stride_w) = crop, stride
     got = predict(model, images, num_classes=4, mode="slide", window_size=crop, stride=stride)
     model64 = ConvNet().double().eval()
     total = torch.zeros(1, 4, 26, 35, dtype=torch.float64)
     count = torch.zeros(26, 35, dtype=torch.float64)
-    tops = sorted({min(t, 26 - crop) for t in range(0, 26, stride) if t == 0 or t + crop - stride < 26})
-    lefts = sorted({min(l, 35 - crop) for l in range(0, 35, stride) if l == 0 or l + crop - stride < 35})
-    for top in tops:
-        for left in lefts:
-            window = images.double()[:, :, top:top + crop, left:left + crop]
-            total[:, :, top:top + crop, left:left + crop] += model64(window)["out"]
-            count[top:top + crop, left:left + crop] += 1
+    crop_h, crop_w = min(crop_h, 26), min(crop_w, 35)
+    rows = max(26 - crop_h + stride_h - 1, 0) // stride_h + 1
+    columns = max(35 - crop_w + stride_w - 1, 0) // stride_w + 1
+    for row in range(rows):
+        for column in range(columns):
+            top, left = min(row * stride_h, 26 - crop_h), min(column * stride_w, 35 - crop_w)
+            window = images.double()[:, :, top:top + crop_h, left:left + crop_w]
+            total[:, :, top:top + crop_h, left:left + crop_w] += model64(window)["out"]
+            count[top:top + crop_h, left:left + crop_w] += 1
     assert (count > 0).all()
     torch.testing.assert_close(got.double(), total / count, rtol=1e-5, atol=1e-5)
 

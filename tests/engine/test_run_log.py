@@ -70,6 +70,11 @@ def test_a_resumed_run_keeps_writing_to_its_old_tensorboard_folder(tmp_path):
     old.add_scalar("train/loss", 1.0, 1)
     old.add_scalar("train/loss", 9.0, 2)  # logged after the checkpoint the run resumes from
     old.close()
+    # TensorBoard reads a folder's files in name order, and names start with the creation second: date
+    # the old run's file back, as it would be (in one process within one second the order could flip)
+    for path in legacy.glob("events.out.tfevents.*"):
+        stamp = path.name.split(".")[3]
+        path.rename(path.with_name(path.name.replace(f".{stamp}.", f".{int(stamp) - 100}.", 1)))
     resumed = MetricsLog(tmp_path, enabled=True, resume_iteration=1)
     resumed.scalars({"loss": 2.0}, step=2, prefix="train")
     resumed.close()

@@ -63,6 +63,36 @@ def test_any_world_size_splits_the_same_global_batches_as_evenly_as_possible(wor
     assert split_batch(8, 3) == [3, 3, 2]
 
 
+@pytest.mark.parametrize("world,accumulate", [(1, 2), (2, 2), (3, 2), (2, 3), (1, 8), (4, 1)])
+def test_accumulation_cuts_each_global_batch_into_micro_batches_split_over_the_processes(world, accumulate):
+    single = ResumableBatchSampler(50, global_batch=16, seed=3)
+    single.set_epoch(1, start_batch=1)
+    expected = list(single)
+    shards = []
+    for rank in range(world):
+        sampler = ResumableBatchSampler(50, global_batch=16, seed=3, rank=rank, world_size=world,
+                                        accumulate=accumulate)
+        sampler.set_epoch(1, start_batch=1)  # start_batch counts optimizer steps
+        shards.append(list(sampler))
+        assert len(sampler) == len(shards[-1]) == len(expected) * accumulate
+        assert sampler.batch_size == sum(len(item) for item in shards[-1][:accumulate])
+    micro_sizes = split_batch(16, accumulate)
+    for step, batch in enumerate(expected):
+        items = [shard[step * accumulate:(step + 1) * accumulate] for shard in shards]  # per rank, per micro
+        micro_batches = [sum((items[rank][micro] for rank in range(world)), []) for micro in range(accumulate)]
+        assert [len(micro) for micro in micro_batches] == micro_sizes
+        for micro in range(accumulate):
+            assert [len(items[rank][micro]) for rank in range(world)] == split_batch(micro_sizes[micro], world)
+        assert sum(micro_batches, []) == batch  # consecutive slices of the same global batch
+
+
+def test_sampler_rejects_micro_batches_smaller_than_the_process_count():
+    ResumableBatchSampler(30, global_batch=8, seed=0, world_size=2, accumulate=4)
+    with pytest.raises(ValueError, match="train.accumulate=3 micro-batches gives micro-batches of 2 samples, "
+                                         "fewer than the 3 processes"):
+        ResumableBatchSampler(30, global_batch=8, seed=0, world_size=3, accumulate=3)
+
+
 def test_sampler_rejects_more_processes_than_samples_per_step():
     with pytest.raises(ValueError, match="train.batch_size=2 is smaller than the 3 processes"):
         ResumableBatchSampler(30, global_batch=2, seed=0, world_size=3)

@@ -36,7 +36,7 @@ def test_feature_strides_and_channels(name, output_stride):
     backbone = build_backbone(name, output_stride=output_stride, norm_layer=nn.BatchNorm2d).eval()
     with torch.no_grad():
         features = backbone(torch.randn(1, 3, 64, 96))
-    aux_stride = 8 if name.startswith("mobilenet") else output_stride  # resnet: layer3
+    aux_stride = 8 if name == "mobilenet_v3_large" else output_stride  # resnet: layer3, mobilenet_v2: block 13
     expected = {"low_level": 4, "aux": aux_stride, "out": output_stride}
     channels = {"low_level": backbone.low_level_channels, "aux": backbone.aux_channels, "out": backbone.out_channels}
     for key, stride in expected.items():
@@ -68,6 +68,33 @@ def test_dilation_is_the_exact_atrous_conversion(name, output_stride):
     torch.testing.assert_close(actual["aux"][..., ::aux_step, ::aux_step], expected["aux"], atol=1e-9, rtol=1e-9)
     # and the dilation really happened (a stride-32 copy would fail the shape check above only for OS 8/16)
     assert actual["out"].shape[-1] > expected["out"].shape[-1]
+
+
+@pytest.mark.parametrize("output_stride", [8, 16])
+def test_mobilenet_v2_dilation_is_the_exact_atrous_conversion(output_stride):
+    """torchvision's MobileNetV2 (stride 32) is the reference: subsampling the dilated features gives its."""
+    from model.backbones import MobileNetBackbone
+
+    torch.manual_seed(0)
+    features = list(torchvision.models.mobilenet_v2(weights=None).features)[:-1]
+    reference = MobileNetBackbone(features, low_level_index=3, aux_index=13).eval()
+    _randomize_batchnorm(reference)
+    dilated = build_backbone("mobilenet_v2", output_stride=output_stride, norm_layer=nn.BatchNorm2d).eval()
+    dilated.load_state_dict(reference.state_dict())
+    reference, dilated = reference.double(), dilated.double()
+    x = torch.randn(1, 3, 45, 37, dtype=torch.float64)
+    with torch.no_grad():
+        expected, actual = reference(x), dilated(x)
+    step = 32 // output_stride
+    torch.testing.assert_close(actual["out"][..., ::step, ::step], expected["out"], atol=1e-9, rtol=1e-9)
+    aux_step = 16 // output_stride
+    torch.testing.assert_close(actual["aux"][..., ::aux_step, ::aux_step], expected["aux"], atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(actual["low_level"], expected["low_level"], atol=1e-9, rtol=1e-9)
+    assert actual["out"].shape[-1] > expected["out"].shape[-1]
+    # the formerly strided depthwise conv (block 14) keeps the previous dilation, the ones after it double it
+    dilations = [conv.dilation[0] for name, conv in dilated.named_modules()
+                 if isinstance(conv, nn.Conv2d) and conv.kernel_size[0] == 3 and int(name.split(".")[0]) >= 14]
+    assert dilations == ([1, 2, 2, 2] if output_stride == 16 else [2, 4, 4, 4])
 
 
 def _conv_geometry(module: nn.Module) -> list[tuple]:
@@ -110,14 +137,15 @@ def _fake_imagenet_file(name, torch_home, monkeypatch):
     return classifier.state_dict(), path
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_large"])
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_large", "mobilenet_v2"])
 def test_imagenet_weights_load_strictly_from_the_hub_cache(name, tmp_path, monkeypatch):
     state, path = _fake_imagenet_file(name, tmp_path, monkeypatch)
     assert imagenet_weights_file(name) == path
     backbone = build_backbone(name, output_stride=16, norm_layer=nn.BatchNorm2d, pretrained="imagenet")
     loaded = backbone.state_dict()
     prefix = "features." if name.startswith("mobilenet") else ""
-    expected = {k: v for k, v in state.items() if not k.startswith(("fc.", "classifier."))}
+    # the ImageNet classifier; MobileNetV2's 1x1 conv to 1280 channels (features.18) belongs to it too
+    expected = {k: v for k, v in state.items() if not k.startswith(("fc.", "classifier.", "features.18."))}
     assert len(loaded) == len(expected)
     for key, value in expected.items():
         assert torch.equal(loaded[key[len(prefix):]], value), key

@@ -97,12 +97,15 @@ def test_fine_tuning_with_a_different_class_count_skips_only_the_classifiers():
     source = build_model(small(aux_loss=True), 21).state_dict()
     model = build_model(small(aux_loss=True), 6)
     fresh = {k: v.clone() for k, v in model.state_dict().items()}
-    skipped = load_segmentation_weights(model, source)
-    assert skipped == _logits_keys(aux=True)
+    report = load_segmentation_weights(model, source)
+    assert sorted(report.skipped) == _logits_keys(aux=True) and report.missing == []
+    assert set(report.skipped.values()) == {"21 classes in the file, 6 in the model"}
+    assert sorted(report.loaded) == sorted(set(source) - set(report.skipped))
     for key, value in model.state_dict().items():
-        assert torch.equal(value, fresh[key] if key in skipped else source[key]), key
+        assert torch.equal(value, fresh[key] if key in report.skipped else source[key]), key
     # the same class count loads everything
-    assert load_segmentation_weights(build_model(small(aux_loss=True), 21), source) == []
+    report = load_segmentation_weights(build_model(small(aux_loss=True), 21), source)
+    assert report.skipped == {} and report.missing == [] and report.loaded == list(source)
 
 
 @pytest.mark.slow
@@ -110,26 +113,68 @@ def test_fine_tuning_from_torchvision_deeplabv3_resnet50():
     reference = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None,
                                                                     num_classes=21, aux_loss=True)
     model = build_model(ModelConfig(arch="deeplabv3", backbone="resnet50", aux_loss=True), 6)
-    skipped = load_segmentation_weights(model, reference.state_dict())
-    assert skipped == ["aux_classifier.4.bias", "aux_classifier.4.weight", "classifier.4.bias", "classifier.4.weight"]
+    report = load_segmentation_weights(model, reference.state_dict())
+    assert sorted(report.skipped) == ["aux_classifier.4.bias", "aux_classifier.4.weight", "classifier.4.bias",
+                                      "classifier.4.weight"]
     assert torch.equal(model.classifier[0].convs[4][1].weight, reference.classifier[0].convs[4][1].weight)
+    assert "classifier.4.* (21 classes in the file, 6 in the model)" in report.summary()
 
 
-def test_fine_tuning_rejects_other_mismatches():
+def test_aux_weights_are_skipped_without_an_aux_head_and_a_missing_aux_head_stays_fresh():
+    """torchvision's COCO weights carry an aux classifier; a model without one must still load them."""
+    torch.manual_seed(0)
+    with_aux = build_model(small(aux_loss=True), 4).state_dict()
+    model = build_model(small(), 4)
+    report = load_segmentation_weights(model, with_aux)
+    aux_keys = [key for key in with_aux if key.startswith("aux_classifier.")]
+    assert sorted(report.skipped) == sorted(aux_keys) and report.missing == []
+    assert all(torch.equal(value, with_aux[key]) for key, value in model.state_dict().items())
+    assert "aux_classifier.* (the model has no aux classifier: model.aux_loss=false)" in report.summary()
+
+    model = build_model(small(aux_loss=True), 4)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    without_aux = {key: value for key, value in with_aux.items() if key not in aux_keys}
+    report = load_segmentation_weights(model, without_aux)
+    assert report.skipped == {} and sorted(report.missing) == sorted(aux_keys)
+    assert all(torch.equal(model.state_dict()[key], fresh[key]) for key in aux_keys)
+    assert "not in the file (kept freshly initialized): aux_classifier.*" in report.summary()
+
+
+def test_fine_tuning_rejects_other_architectures_in_one_line_before_loading_anything():
     source = build_model(small(aux_loss=True), 21).state_dict()
-    with pytest.raises(ValueError, match="missing keys"):  # another backbone
-        load_segmentation_weights(build_model(small(backbone="resnet34", aux_loss=True), 21), source)
-    with pytest.raises(ValueError, match="shape mismatch"):  # another head width
-        load_segmentation_weights(build_model(small(head_channels=16, aux_loss=True), 21), source)
-    with pytest.raises(ValueError, match="unexpected keys"):  # aux weights, model without aux
-        load_segmentation_weights(build_model(small(), 21), source)
+    cases = [
+        (small(backbone="resnet34", aux_loss=True), "missing tensor(s) (e.g. backbone.layer1.2.conv1.weight)"),
+        (small(head_channels=16, aux_loss=True), "shape mismatch(es) outside the classifier"),
+        (small(arch="deeplabv3", aux_loss=True), "unexpected tensor(s) (e.g. classifier.aspp.convs.0.0.weight)"),
+    ]
+    for config, message in cases:
+        model = build_model(config, 21)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError) as error:
+            load_segmentation_weights(model, source)
+        assert message in str(error.value) and "\n" not in str(error.value)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing half-loaded
+    backbone_only = {key[len("backbone."):]: value for key, value in source.items() if key.startswith("backbone.")}
+    with pytest.raises(ValueError, match="looks like backbone .classification. weights: give it as "
+                                         "model.pretrained_backbone"):
+        load_segmentation_weights(build_model(small(), 21), backbone_only)
 
 
 def test_fine_tuning_strips_a_data_parallel_prefix():
     source = build_model(small(), 4).state_dict()
     model = build_model(small(), 4)
-    assert load_segmentation_weights(model, {f"module.{k}": v for k, v in source.items()}) == []
+    report = load_segmentation_weights(model, {f"module.{k}": v for k, v in source.items()})
+    assert report.loaded == list(source) and report.skipped == {}
     assert torch.equal(model.state_dict()["classifier.to_logits.weight"], source["classifier.to_logits.weight"])
+
+
+def test_compact_keys_names_whole_modules_and_single_keys_exactly():
+    from model.builder import compact_keys
+
+    universe = ["a.x", "a.y", "b.0.w", "b.0.b", "b.1.w", "c"]
+    assert compact_keys(universe, universe) == ["a.*", "b.*", "c"]
+    assert compact_keys(["a.x", "b.0.w", "b.0.b", "c"], universe) == ["a.x", "b.0.*", "c"]
+    assert compact_keys([], universe) == []
 
 
 @pytest.mark.parametrize("arch", ["deeplabv3", "deeplabv3plus"])
@@ -198,7 +243,11 @@ def test_checkpoints_load_across_norm_choices(source_norm, target_norm):
     with torch.no_grad():
         source.backbone.bn1.running_mean.uniform_(-1, 1)
     target = build_model(small(norm=target_norm), 4)
-    assert load_segmentation_weights(target, source.state_dict()) == []
+    report = load_segmentation_weights(target, source.state_dict())
+    counters = {key for key in source.state_dict() if key.endswith("num_batches_tracked")}
+    # only BatchNorm counters may differ: FrozenBatchNorm2d keeps none (nothing else skipped or missing)
+    assert set(report.skipped) | set(report.missing) <= counters | {k for k in target.state_dict()
+                                                                      if k.endswith("num_batches_tracked")}
     assert torch.equal(target.backbone.bn1.running_mean, source.backbone.bn1.running_mean)
     x = torch.randn(1, 3, 33, 35)
     with torch.no_grad():

@@ -22,6 +22,7 @@ FEATURE_CHANNELS = {
     "resnet34": (64, 256, 512),
     "resnet50": (256, 1024, 2048),
     "resnet101": (256, 1024, 2048),
+    "mobilenet_v2": (24, 96, 320),
     "mobilenet_v3_large": (24, 40, 960),
 }
 
@@ -33,7 +34,8 @@ def count(module: nn.Module) -> int:
 def torchvision_backbone_count(name: str) -> int:
     network = getattr(torchvision.models, name)(weights=None)
     head = network.fc if name.startswith("resnet") else network.classifier
-    return count(network) - count(head)
+    unused = count(network.features[-1]) if name == "mobilenet_v2" else 0  # its 1x1 conv to 1280 channels
+    return count(network) - count(head) - unused
 
 
 def decoder_count(low_level_channels: int, num_classes: int, channels: int = 256, projection: int = 48) -> int:
