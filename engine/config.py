@@ -119,6 +119,7 @@ class TrainConfig:
     warmup_iters: int = _limited(0, _NON_NEGATIVE)
     poly_power: float = _limited(0.9, _NON_NEGATIVE)
     amp: Precision = "off"
+    compile: bool = False  # torch.compile the model for training (one process per device; see README)
     aux_weight: float = _limited(0.4, _NON_NEGATIVE)
     class_weights: tuple[float, ...] = _limited((), _NON_NEGATIVE)  # () = unweighted cross-entropy
     ohem: bool = False
@@ -139,6 +140,7 @@ class EvalConfig:
     scales: tuple[float, ...] = _limited((1.0,), Limit(gt=0))
     flip: bool = False
     batch_size: int = _limited(1, _POSITIVE)
+    window_batch: int = _limited(8, _POSITIVE)  # slide: images (windows) per forward pass, flips included
     amp: Precision = "off"  # autocast for validation, eval.py and predict.py
 
 

@@ -19,6 +19,9 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from model.sync_batchnorm import DataParallelWithCallback
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +232,38 @@ def _single_process(gpus: str | None) -> DistInfo:
             f"this machine has {count} GPU(s): ids 0..{count - 1}"
         )
     return DistInfo(device=torch.device("cuda", ids[0]), mode="dp", device_ids=ids)
+
+
+def wrap_for_training(model: nn.Module, dist_info: DistInfo) -> nn.Module:
+    """The module train steps call: DistributedDataParallel under torchrun/srun, DataParallelWithCallback
+    over several --gpus, else `model` itself. On CUDA, cudnn picks its fastest kernels (the crops have
+    one size, so the search runs once)."""
+    if dist_info.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    if dist_info.mode == "ddp":
+        device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+        # buffers are not broadcast from rank 0 before each forward: synchronized BN keeps them equal, and
+        # with plain BN each process keeps its own statistics
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
+                                                   gradient_as_bucket_view=True)
+    if dist_info.num_replicas > 1:
+        return DataParallelWithCallback(model, device_ids=list(dist_info.device_ids))
+    return model
+
+
+def compile_for_training(model: nn.Module, dist_info: DistInfo, *, enabled: bool) -> nn.Module:
+    """torch.compile(model) for train.compile=true (the forward; autograd compiles the backward with it).
+
+    The synchronized BN layers compile as graph breaks around their autograd Functions. Thread replicas
+    (DataParallelWithCallback) cannot be compiled: ValueError.
+    """
+    if not enabled:
+        return model
+    if isinstance(model, DataParallelWithCallback):
+        raise ValueError(f"train.compile=true cannot compile DataParallelWithCallback's thread replicas (--gpus "
+                         f"{','.join(map(str, dist_info.device_ids))}); use torchrun with one process per GPU, or "
+                         "train.compile=false")
+    return torch.compile(model)
 
 
 def inference_device(name: str | None, dist_info: DistInfo | None = None) -> torch.device:

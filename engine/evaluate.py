@@ -105,7 +105,7 @@ def evaluate(
                 inputs = normalize_batch(images, mean, std)
                 with autocast_for(device, eval_cfg.amp):
                     logits = predict(model, inputs, num_classes=num_classes, mode=mode, window_size=window_size,
-                                     stride=stride, scales=scales, flip=flip)
+                                     stride=stride, scales=scales, flip=flip, window_batch=eval_cfg.window_batch)
                 if logits.shape[-2:] != masks.shape[-2:]:  # an image resized by the pipeline, not its mask
                     logits = F.interpolate(logits.float(), size=masks.shape[-2:], mode="bilinear",
                                            align_corners=False)

@@ -41,21 +41,30 @@ def window_starts(length: int, window: int, stride: int) -> list[int]:
     return [min(index * stride, length - window) for index in range(count)]
 
 
-def _slide(model: nn.Module, images: torch.Tensor, *, num_classes: int, window_size: tuple[int, int],
-           stride: tuple[int, int]) -> torch.Tensor:
-    batch, _, height, width = images.shape
+def _slide(model: nn.Module, variants: list[torch.Tensor], *, num_classes: int, window_size: tuple[int, int],
+           stride: tuple[int, int], window_batch: int) -> list[torch.Tensor]:
+    """Sliding-window logits of each tensor in `variants` (one shape N x C x H x W: an image and its
+    flip). Windows of all variants go through the model together, `window_batch` images per forward
+    pass; each variant's overlapping logits are summed in window order and averaged."""
+    batch, _, height, width = variants[0].shape
     (window_h, window_w), (stride_h, stride_w) = window_size, stride
     if window_h >= height and window_w >= width:
-        return _forward(model, images, num_classes)
-    logits = images.new_zeros((batch, num_classes, height, width), dtype=torch.float32)
-    counts = images.new_zeros((1, 1, height, width), dtype=torch.float32)
+        return [_forward(model, variant, num_classes) for variant in variants]
     crop_h, crop_w = min(window_h, height), min(window_w, width)
-    for top in window_starts(height, window_h, stride_h):
-        for left in window_starts(width, window_w, stride_w):
-            window = images[:, :, top:top + crop_h, left:left + crop_w]
-            logits[:, :, top:top + crop_h, left:left + crop_w] += _forward(model, window, num_classes)
-            counts[:, :, top:top + crop_h, left:left + crop_w] += 1
-    return logits / counts
+    positions = [(top, left) for top in window_starts(height, window_h, stride_h)
+                 for left in window_starts(width, window_w, stride_w)]
+    counts = variants[0].new_zeros((1, 1, height, width), dtype=torch.float32)
+    for top, left in positions:
+        counts[:, :, top:top + crop_h, left:left + crop_w] += 1
+    logits = [variant.new_zeros((batch, num_classes, height, width), dtype=torch.float32) for variant in variants]
+    windows = [(index, top, left) for index in range(len(variants)) for top, left in positions]
+    per_pass = max(1, window_batch // batch)
+    for first in range(0, len(windows), per_pass):
+        chunk = windows[first:first + per_pass]
+        pieces = torch.cat([variants[index][:, :, top:top + crop_h, left:left + crop_w] for index, top, left in chunk])
+        for (index, top, left), piece in zip(chunk, _forward(model, pieces, num_classes).split(batch)):
+            logits[index][:, :, top:top + crop_h, left:left + crop_w] += piece
+    return [variant_logits / counts for variant_logits in logits]
 
 
 @torch.no_grad()
@@ -69,12 +78,14 @@ def predict(
     stride: int | Sequence[int] = 341,
     scales: Sequence[float] = (1.0,),
     flip: bool = False,
+    window_batch: int = 8,
 ) -> torch.Tensor:
     """Logits N x num_classes x H x W (float32) for normalized float images N x 3 x H x W.
 
     mode "whole" runs the model on the full image; "slide" on windows of `window_size` (height, width;
     one integer: a square) every `stride` pixels (likewise per axis, <= the window), overlapping logits
-    averaged. Each scale in `scales` (positive)
+    averaged; the windows of an image and of its flip go through the model `window_batch` images at a
+    time. Each scale in `scales` (positive)
     resizes the image (bilinear), runs `mode`, and resizes the logits back; with `flip` every scale
     also runs on the horizontally flipped image (logits flipped back). All passes are averaged. The
     settings are an eval config section's (engine.config.EvalConfig, validated there). The model is
@@ -96,12 +107,13 @@ def predict(
         else:
             size = (max(1, round(height * scale)), max(1, round(width * scale)))
             scaled = F.interpolate(images, size=size, mode="bilinear", align_corners=False)
-        for flipped in ((False, True) if flip else (False,)):
-            inputs = scaled.flip(-1) if flipped else scaled
-            if mode == "whole":
-                logits = _forward(model, inputs, num_classes)
-            else:
-                logits = _slide(model, inputs, num_classes=num_classes, window_size=window_size, stride=stride)
+        variants = [scaled, scaled.flip(-1)] if flip else [scaled]
+        if mode == "whole":
+            outputs = [_forward(model, variant, num_classes) for variant in variants]
+        else:
+            outputs = _slide(model, variants, num_classes=num_classes, window_size=window_size, stride=stride,
+                             window_batch=window_batch)
+        for flipped, logits in zip((False, True), outputs):
             if flipped:
                 logits = logits.flip(-1)
             if logits.shape[-2:] != (height, width):

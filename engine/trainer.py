@@ -35,7 +35,15 @@ from engine.checkpoint import (
 )
 from engine.config import Config
 from engine.config_io import from_dict, save_config, to_dict
-from engine.distributed import DistInfo, all_reduce_sum, autocast_for, barrier, is_dist
+from engine.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    autocast_for,
+    barrier,
+    compile_for_training,
+    is_dist,
+    wrap_for_training,
+)
 from engine.evaluate import check_batching, evaluate
 from engine.loss import build_loss
 from engine.optim import PolyWarmupLR, build_optimizer
@@ -52,7 +60,6 @@ from engine.signals import StopRequest
 from engine.visualize import prediction_grid
 from model.builder import build_model, build_param_groups
 from model.norm import synchronizes_statistics
-from model.sync_batchnorm import DataParallelWithCallback
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +107,8 @@ class Trainer:
         self.classes = tuple(self.train_set.classes)
         self.num_classes = len(self.classes)
         self.model = self._build_model(init_weights=resume is None)  # unwrapped: checkpoints, validation
-        self.train_model = self._wrap(self.model)
+        self.train_model = wrap_for_training(self.model, dist_info)  # DDP / DataParallelWithCallback / as is
+        self.forward_model = compile_for_training(self.train_model, dist_info, enabled=train_cfg.compile)
         groups = build_param_groups(self.model, lr=train_cfg.lr, head_lr_mult=train_cfg.head_lr_mult,
                                     weight_decay=train_cfg.weight_decay)
         self.group_names = [group["name"] for group in groups]
@@ -144,17 +152,6 @@ class Trainer:
         model.to(self.device)
         if self.config.model.channels_last:
             model.to(memory_format=torch.channels_last)
-        return model
-
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.dist.mode == "ddp":
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            # buffers are not broadcast from rank 0 before each forward: synchronized BN keeps them equal, and with
-            # plain BN each process keeps its own statistics
-            return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
-                                                       gradient_as_bucket_view=True)
-        if self.dist.num_replicas > 1:
-            return DataParallelWithCallback(model, device_ids=list(self.dist.device_ids))
         return model
 
     def _load_training_state(self, resume: Mapping[str, Any]) -> None:
@@ -268,7 +265,7 @@ class Trainer:
                 if self.config.model.channels_last:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 with autocast_for(self.device, self.config.train.amp):
-                    outputs = self.train_model(inputs)
+                    outputs = self.forward_model(inputs)
                 loss = self.criterion(outputs, masks, step_weight=normalizer)
                 # DDP averages gradients over processes; scaling by the world size makes that the sum of the
                 # processes' shares of the global loss.

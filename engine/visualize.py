@@ -123,7 +123,7 @@ def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int]
         image, mask = dataset[index]
         batch = normalize_batch(image.unsqueeze(0).to(device), data_cfg.mean, data_cfg.std)
         logits = predict(model, batch, num_classes=num_classes, mode=eval_cfg.mode, window_size=eval_cfg.window_size,
-                         stride=eval_cfg.stride)
+                         stride=eval_cfg.stride, window_batch=eval_cfg.window_batch)
         prediction = logits.argmax(1)[0].cpu().numpy()
         rows.append([image.permute(1, 2, 0).numpy()] + [
             color_labels(labels, palette, ignore_index=ignore_index) for labels in (mask.numpy(), prediction)])

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         with torch.inference_mode(), autocast_for(device, eval_cfg.amp):
             logits = predict(model, inputs, num_classes=len(classes), mode=eval_cfg.mode,
                              window_size=eval_cfg.window_size, stride=eval_cfg.stride, scales=eval_cfg.scales,
-                             flip=eval_cfg.flip)
+                             flip=eval_cfg.flip, window_batch=eval_cfg.window_batch)
             if logits.shape[-2:] != (height, width):
                 logits = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)
         labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()

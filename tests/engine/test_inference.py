@@ -131,3 +131,31 @@ def test_errors():
         predict(model, images, num_classes=5)
     with pytest.raises(ValueError, match="normalize_batch"):
         predict(model, images.to(torch.uint8), num_classes=4)
+
+
+class _Counting(nn.Module):
+    """Counts forward passes and the images in each."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.batches = model, []
+
+    def forward(self, x):
+        self.batches.append(x.shape[0])
+        return self.model(x)
+
+
+@pytest.mark.parametrize("flip", [False, True])
+@pytest.mark.parametrize("window_batch", [2, 5, 64])
+def test_batched_windows_equal_one_window_at_a_time(flip, window_batch):
+    model = _Counting(ConvNet().eval())
+    images = _images(n=2, h=40, w=53)
+    options = dict(num_classes=4, mode="slide", window_size=(16, 20), stride=(11, 13), flip=flip, scales=(1.0, 0.8))
+    one_by_one = predict(model, images, window_batch=1, **options)
+    unbatched_passes = len(model.batches)
+    model.batches.clear()
+    batched = predict(model, images, window_batch=window_batch, **options)
+    torch.testing.assert_close(batched, one_by_one, rtol=1e-5, atol=1e-5)
+    assert max(model.batches) <= max(window_batch, 2) and sum(model.batches) == 2 * unbatched_passes
+    if window_batch >= 2 * len(images):  # room for two windows of the 2 images: fewer, larger passes
+        assert len(model.batches) < unbatched_passes
