@@ -73,7 +73,7 @@ def test_prediction_grid_has_titles_a_legend_and_cream_ignore_pixels():
 
     class Cfg:
         mean, std, ignore_index = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 255
-        mode, window_size, stride = "whole", 8, 8
+        mode, window_size, stride, window_batch = "whole", 8, 8, 8
 
     grid = prediction_grid(Model(), Dataset(), [0], num_classes=2, device=torch.device("cpu"), data_cfg=Cfg,
                            eval_cfg=Cfg)
