@@ -187,10 +187,11 @@ def training(iters: int, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=30, help="interleaved repetitions of every layer variant")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda (default when available) or cpu (tiny shapes: checks the code paths only)")
     parser.add_argument("--train-iters", type=int, default=40, help="iterations per training round (0: skip)")
-    parser.add_argument("--train-rounds", type=int, default=3)
+    parser.add_argument("--train-rounds", type=int, default=3, help="alternating rounds of fp32 and fp16 training")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_cuda.json)")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -19,7 +19,7 @@ PYTHON_CLIS = ["train.py", "eval.py", "scripts/predict.py", "scripts/export.py",
                "scripts/prepare_voc.py"]
 MODULES = ["train", "eval", "scripts.predict", "scripts.export", "scripts.verify_dataset", "scripts.prepare_voc"]
 BENCHMARKS = ["benchmarks.bench_syncbn", "benchmarks.bench_model", "benchmarks.bench_data", "benchmarks.bench_eval",
-              "benchmarks.bench_train"]
+              "benchmarks.bench_train", "benchmarks.bench_cuda"]
 HELP_CPU_SECONDS = 2.0
 
 
