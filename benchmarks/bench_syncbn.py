@@ -42,7 +42,7 @@ from benchmarks.common import write_record
 from model.sync_batchnorm import SynchronizedBatchNorm2d
 
 SHAPES = [(8, 64, 128, 128), (4, 256, 65, 65), (16, 512, 33, 33)]
-COMM_PASSES = 8
+COMM_PASSES = 32
 
 
 def saved_bytes(step) -> dict:
@@ -151,7 +151,7 @@ def _rank_worker(rank: int, port: int, repeats: int, out_path: str, threads: int
             module(x).backward(upstream)
 
         def collectives():
-            # one sample = COMM_PASSES pairs, averaged: a single pair (~1 ms on loopback) is bimodal
+            # one sample = COMM_PASSES pairs, averaged: a single pair on loopback is bimodal (~1 or ~4 ms)
             for _ in range(COMM_PASSES):
                 dist.all_gather(gather_out, gather_row)
                 dist.all_reduce(reduce_row)

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def engine_steps() -> None:
             for images, masks in bare_batches:
-                trainer.train_step(images, masks)
+                trainer.train_step([(images, masks)])  # one micro-batch (train.accumulate=1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
