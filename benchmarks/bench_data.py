@@ -11,7 +11,7 @@ Reports median ms/image, images/s and the median of per-round ratios to decode_o
 control decode_only_copy / decode_only (a verdict needs it within 1.02; benchmarks/common.py).
 Target (issue 5): train <= 2.0x decode_only.
 
-    python -m benchmarks.bench_data [--images 32] [--rounds 7] [--crop 513] [--output PATH]
+    python -m benchmarks.bench_data [--images 32] [--rounds 42] [--crop 513] [--output PATH]
 """
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def make_pairs(root: Path, count: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=32, help="number of generated 500x375 image/mask pairs")
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (one pass per variant each)")
+    parser.add_argument("--rounds", type=int, default=42,
+                        help="interleaved rounds, one pass per variant each (14 make one balanced cycle)")
     parser.add_argument("--crop", type=int, default=513, help="training crop size of the pipeline, pixels")
     parser.add_argument("--threads", type=int, default=1, help="cv2 / torch threads (a DataLoader worker uses 1)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_data.json)")

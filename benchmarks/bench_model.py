@@ -10,10 +10,10 @@ forward + backward, gradients cleared each step):
   num_classes=21, aux_loss=True);
 - torchvision copy: a second instance of it with the same weights, the A/A control (benchmarks/common.py):
   the verdict needs torchvision copy / torchvision within 1.02.
-Each repetition runs every variant once, in an order that rotates between repetitions, so machine noise
-hits all alike; reported are the median step times and the medians of the per-repetition ratios to
-torchvision, for wall-clock time and for the process's CPU time (time.process_time: on a shared machine
-it does not count the time the process waits for a core, which dominates wall-clock noise; with
+Each repetition runs every variant once, in a balanced order (benchmarks.common.balanced_orders: each
+variant follows each other one equally often), so machine noise hits all alike; reported are the median
+step times and the medians of the per-repetition ratios to torchvision, for wall-clock time and for the
+process's CPU time (time.process_time: on a shared machine it does not count the time the process waits for a core, which dominates wall-clock noise; with
 --threads 1 it is the cost of the step). Target: ours / torchvision <= 1.03 (the same network must cost
 the same).
 """
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.models.segmentation import deeplabv3_resnet50
 
-from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, write_record
+from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, stable_allocator, write_record
 from engine.config import ModelConfig
 from model.builder import build_model, load_segmentation_weights
 
@@ -67,7 +67,7 @@ def training_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=9, help="timed repetitions (each runs every variant once)")
+    parser.add_argument("--repeats", type=int, default=8, help="timed repetitions (each runs every variant once; 4 make one balanced cycle)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant first")
     parser.add_argument("--batch", type=int, default=2, help="images per training step")
     parser.add_argument("--size", type=int, default=257, help="square input size, pixels")
@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
             training_step(models[name], images, labels)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu_times: dict[str, list[float]] = {name: [] for name in names}
+    orders = balanced_orders(names)
     for repeat in range(args.repeats):
-        order = names[repeat % len(names):] + names[:repeat % len(names)]
+        order = orders[repeat % len(orders)]
         for name in order:
             wall, cpu = training_step(models[name], images, labels)
             times[name].append(wall)

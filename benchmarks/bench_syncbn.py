@@ -1,6 +1,6 @@
 """Speed and memory of SynchronizedBatchNorm2d against the built-in BatchNorm, same run, paired ratios.
 
-    python -m benchmarks.bench_syncbn [--repeats 15] [--device cpu|cuda] [--output results.json]
+    python -m benchmarks.bench_syncbn [--repeats 60] [--device cpu|cuda] [--output results.json]
 
 a. one device: SynchronizedBatchNorm2d vs nn.BatchNorm2d (forward + backward), time and the bytes of
    tensors saved for backward. Target <= 1.03 (it is the same kernel).
@@ -207,7 +207,8 @@ def two_rank_benchmark(repeats: int, threads: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=61, help="interleaved repetitions of every variant")
+    parser.add_argument("--repeats", type=int, default=60,
+                        help="interleaved repetitions of every variant (6 make one balanced cycle)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the 2-rank part runs on gloo, CPU)")
     parser.add_argument("--skip-distributed", action="store_true", help="leave out part c (2 gloo processes)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_syncbn.json)")

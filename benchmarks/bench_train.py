@@ -9,7 +9,7 @@ checkpoints are outside the timed window (the full loop's time is `TrainResult.t
 Reports per-round seconds per iteration, the paired ratio full / bare per round and their medians;
 target ratio <= 1.10. Public API only.
 
-    python -m benchmarks.bench_train [--config demo.yaml] [--rounds 5] [--iters 20] [--threads 2] [KEY=VALUE ...]
+    python -m benchmarks.bench_train [--config demo.yaml] [--rounds 8] [--iters 20] [--threads 2] [KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, write_record
+from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, stable_allocator, write_record
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="demo.yaml", help="config name in configs/ or a YAML path")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the four variants")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds of the four variants (4 make one balanced cycle)")
     parser.add_argument("--iters", type=int, default=15, help="iterations per round and variant")
     parser.add_argument("--warmup", type=int, default=-1,
                         help="untimed full-loop iterations first (-1: one epoch, so the timed rounds see the "
@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = {"full": full_loop, "bare": lambda: timed(bare_steps), "step": lambda: timed(engine_steps),
                     "bare_copy": lambda: timed(bare_steps)}
         rows = []
+        orders = balanced_orders(list(variants))
         for round_index in range(args.rounds):
-            order = list(variants) if round_index % 2 == 0 else list(variants)[::-1]
+            order = orders[round_index % len(orders)]
             seconds = {name: variants[name]() / args.iters for name in order}
             rows.append({"round": round_index, "full_s_per_iter": seconds["full"], "bare_s_per_iter": seconds["bare"],
                          "bare_copy_s_per_iter": seconds["bare_copy"], "train_step_s_per_iter": seconds["step"],

@@ -9,13 +9,29 @@ import pytest
 from benchmarks import common, summary
 
 
-def test_interleaving_reverses_the_order_every_repetition_and_averages_inner_calls():
+def test_interleaving_follows_the_balanced_orders_and_averages_inner_calls():
     calls = []
     ticks = iter(range(1000))
     variants = {name: (lambda name=name: calls.append(name)) for name in "abc"}
     times = common.time_interleaved(variants, 2, inner=2, warmup=1, clock=lambda: float(next(ticks)))
-    assert calls == list("abc") + list("aabbcc") + list("ccbbaa")
+    first, second = common.balanced_orders(list("abc"))[:2]
+    assert calls == list("abc") + [n for n in first for _ in range(2)] + [n for n in second for _ in range(2)]
     assert times == {name: [0.5, 0.5] for name in "abc"}  # one clock tick per sample of 2 calls
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_orders_let_every_variant_follow_every_other_equally_often(n):
+    names = [f"v{i}" for i in range(n)]
+    orders = common.balanced_orders(names)
+    assert all(sorted(order) == names for order in orders)
+    follows = {}
+    for order in orders:
+        for before, after in zip(order, order[1:]):
+            follows[before, after] = follows.get((before, after), 0) + 1
+    # every ordered pair of distinct variants is adjacent, and all equally often (the twin of an A/A
+    # control is not always right behind its original)
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+    assert len(orders) == (n if n % 2 == 0 else 2 * n) or n == 1
 
 
 def test_paired_ratios_report_median_and_spread():
