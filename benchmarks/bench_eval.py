@@ -16,7 +16,7 @@ windows overlap, so they cover more pixels than the image).
 Each comparison runs beside an A/A control (numpy_bincount_copy, whole_copy); a verdict needs it within
 1.02 (benchmarks/common.py).
 
-    python -m benchmarks.bench_eval [--rounds 30] [--inference-rounds 16] [--threads 1] [--device cpu|cuda] [--output PATH]
+    python -m benchmarks.bench_eval [--rounds 30] [--inference-rounds 24] [--threads 1] [--device cpu|cuda] [--output PATH]
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30,
                         help="interleaved rounds of the confusion-matrix variants (10 make one balanced cycle)")
-    parser.add_argument("--inference-rounds", type=int, default=16,
+    parser.add_argument("--inference-rounds", type=int, default=24,
                         help="interleaved rounds of the inference modes (4 make one balanced cycle)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1, like numpy's single-threaded bincount; 0 = torch's "
