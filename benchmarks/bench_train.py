@@ -9,7 +9,7 @@ checkpoints are outside the timed window (the full loop's time is `TrainResult.t
 Reports per-round seconds per iteration, the paired ratio full / bare per round and their medians;
 target ratio <= 1.10. Public API only.
 
-    python -m benchmarks.bench_train [--config demo.yaml] [--rounds 8] [--iters 20] [--threads 2] [KEY=VALUE ...]
+    python -m benchmarks.bench_train [--config demo.yaml] [--rounds 16] [--iters 15] [--threads 2] [KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from benchmarks.common import balanced_orders, environment, judge, paired, print
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="demo.yaml", help="config name in configs/ or a YAML path")
-    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds of the four variants (4 make one balanced cycle)")
+    parser.add_argument("--rounds", type=int, default=16,
+                        help="interleaved rounds of the four variants (4 make one balanced cycle)")
     parser.add_argument("--iters", type=int, default=15, help="iterations per round and variant")
     parser.add_argument("--warmup", type=int, default=-1,
                         help="untimed full-loop iterations first (-1: one epoch, so the timed rounds see the "
