@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
 
+from benchmarks.bench_syncbn import layer_inputs
 from benchmarks.common import environment, judge, paired, print_targets, summary, time_interleaved, write_record
 from model.sync_batchnorm import SynchronizedBatchNorm2d
 
@@ -44,10 +45,7 @@ def _free_port() -> int:
 
 def _layer_variants(shape, device, dtype, group) -> dict:
     channels = shape[1]
-    generator = torch.Generator().manual_seed(0)
-    x = (torch.randn(shape, generator=generator) * 2 + 1).to(device, dtype).requires_grad_()
-    upstream = torch.randn(shape, generator=generator).to(device, dtype)
-    builtin, builtin_copy = nn.BatchNorm2d(channels).to(device), nn.BatchNorm2d(channels).to(device)
+    x, upstream, builtin, builtin_copy = layer_inputs(shape, device, dtype)
     ours = SynchronizedBatchNorm2d(channels).to(device)
     weight, bias = builtin.weight, builtin.bias
     running_mean, running_var = torch.zeros(channels, device=device), torch.ones(channels, device=device)

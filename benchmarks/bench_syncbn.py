@@ -62,13 +62,19 @@ def saved_bytes(step) -> dict:
     return {"unique_bytes": sum(storages.values()), "packed_tensors": packed[0], "packed_bytes": packed[1]}
 
 
-def make_steps(shape, device, dtype):
-    """Forward + backward closures over one input; "... copy" variants are identical twins (A/A controls)."""
+def layer_inputs(shape, device, dtype):
+    """One input (requiring grad), its upstream gradient, and nn.BatchNorm2d twice (reference, A/A twin)."""
     channels = shape[1]
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=generator) * 2 + 1).to(device, dtype).requires_grad_()
     upstream = torch.randn(shape, generator=generator).to(device, dtype)
-    builtin, builtin_copy = nn.BatchNorm2d(channels).to(device), nn.BatchNorm2d(channels).to(device)
+    return x, upstream, nn.BatchNorm2d(channels).to(device), nn.BatchNorm2d(channels).to(device)
+
+
+def make_steps(shape, device, dtype):
+    """Forward + backward closures over one input; "... copy" variants are identical twins (A/A controls)."""
+    channels = shape[1]
+    x, upstream, builtin, builtin_copy = layer_inputs(shape, device, dtype)
     sync = SynchronizedBatchNorm2d(channels).to(device)
     weight = torch.ones(channels, device=device, requires_grad=True)
     bias = torch.zeros(channels, device=device, requires_grad=True)

@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.config import Config
 from engine.config_io import from_dict, inference_config
-from model.builder import LoadedWeights, build_model, load_segmentation_weights
+from model.builder import LoadedWeights, build_model, load_segmentation_weights, state_dict_problems
 
 logger = logging.getLogger(__name__)
 
@@ -308,13 +308,7 @@ def load_model_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     shapes = [f"{key}: checkpoint {tuple(state_dict[key].shape)} vs model {tuple(value.shape)}"
               for key, value in expected.items() if key in state_dict and state_dict[key].shape != value.shape]
     if missing or unexpected or shapes:
-        problems = []
-        if missing:
-            problems.append(f"{len(missing)} missing tensor(s) (e.g. {missing[0]})")
-        if unexpected:
-            problems.append(f"{len(unexpected)} unexpected tensor(s) (e.g. {unexpected[0]})")
-        if shapes:
-            problems.append(f"{len(shapes)} shape mismatch(es) (e.g. {shapes[0]})")
+        problems = state_dict_problems(missing, unexpected, shapes)
         raise ValueError(
             f"checkpoint '{checkpoint}' does not fit the model: it was trained as "
             f"[{describe_architecture(saved_model_cfg)}], the config asks for [{describe_architecture(model_cfg)}]: "

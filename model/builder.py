@@ -181,6 +181,22 @@ def _described(keys: Iterable[str], universe: Iterable[str]) -> str:
     return ", ".join(parts)
 
 
+def state_dict_problems(missing: list[str], unexpected: list[str], mismatched: list[str], *,
+                        where: str = "") -> list[str]:
+    """One phrase per kind of state-dict mismatch, each with its count and first example (for one-line errors).
+
+    `mismatched` holds "key: file (...) vs model (...)" descriptions; `where` qualifies them (e.g.
+    " outside the classifier")."""
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s) (e.g. {missing[0]})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s) (e.g. {unexpected[0]})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatch(es){where} (e.g. {mismatched[0]})")
+    return problems
+
+
 def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]) -> LoadedWeights:
     """Load a segmentation state dict (ours or torchvision's DeepLabV3) for fine-tuning.
 
@@ -215,13 +231,7 @@ def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]
     missing = [key for key in own if key not in state_dict]
     fatal_missing = [key for key in missing if not (key.startswith("aux_classifier.") or _is_counter(key))]
     if fatal_missing or unexpected or mismatched:
-        problems = []
-        if fatal_missing:
-            problems.append(f"{len(fatal_missing)} missing tensor(s) (e.g. {fatal_missing[0]})")
-        if unexpected:
-            problems.append(f"{len(unexpected)} unexpected tensor(s) (e.g. {unexpected[0]})")
-        if mismatched:
-            problems.append(f"{len(mismatched)} shape mismatch(es) outside the classifier (e.g. {mismatched[0]})")
+        problems = state_dict_problems(fatal_missing, unexpected, mismatched, where=" outside the classifier")
         if not any(key.startswith("backbone.") for key in state_dict) and any(f"backbone.{key}" in own
                                                                            for key in state_dict):
             problems.append("the file looks like backbone (classification) weights: give it as "

@@ -256,6 +256,19 @@ def _two_hosts():
             subprocess.run(["ip", "netns", "del", host], capture_output=True)
 
 
+def _succeed_all(processes: list[subprocess.Popen], timeout: float = 300) -> list[str]:
+    """Wait for every process (killing the rest if one wait fails), assert each exited 0; their stderr."""
+    try:
+        outputs = [process.communicate(timeout=timeout)[1] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for process, stderr in zip(processes, outputs):
+        assert process.returncode == 0, stderr[-3000:]
+    return outputs
+
+
 @pytest.mark.slow
 def test_two_hosts_in_network_namespaces_equal_two_processes_on_one_host(tmp_path, straight):
     run_dir = tmp_path / "run"
@@ -271,14 +284,7 @@ def test_two_hosts_in_network_namespaces_equal_two_processes_on_one_host(tmp_pat
             processes.append(subprocess.Popen(_train_command(run_dir, "data.num_workers=1", launcher=launcher),
                                               cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               text=True))
-        try:
-            outputs = [process.communicate(timeout=300)[1] for process in processes]
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-        for process, stderr in zip(processes, outputs):
-            assert process.returncode == 0, stderr[-3000:]
+        outputs = _succeed_all(processes)
     assert any("DDP over 2 processes" in stderr for stderr in outputs)
     _assert_same_losses(_losses(run_dir), straight["two"], tolerance=1e-6)
 
@@ -292,14 +298,7 @@ def test_srun_tasks_without_torchrun_form_one_run(tmp_path, straight):
     processes = [subprocess.Popen(_train_command(run_dir, "data.num_workers=1"), cwd=ROOT,
                                   env=_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    try:
-        outputs = [process.communicate(timeout=300)[1] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    for process, stderr in zip(processes, outputs):
-        assert process.returncode == 0, stderr[-3000:]
+    outputs = _succeed_all(processes)
     assert "slurm: rank 0/2" in outputs[0] and "DDP over 2 processes" in outputs[0]
     _assert_same_losses(_losses(run_dir), straight["two"], tolerance=1e-6)
 
