@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import datetime
+import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from engine import distributed
-from engine.distributed import DistInfo, parse_gpus, setup_distributed
+from engine.distributed import DistInfo, parse_gpus, setup_distributed, wrap_for_training
 
 
 @pytest.fixture(autouse=True)
@@ -146,3 +149,18 @@ def test_autocast_for_each_precision(precision, dtype):
     layer = torch.nn.Linear(4, 4)
     with distributed.autocast_for(torch.device("cpu"), precision):
         assert layer(torch.randn(2, 4)).dtype == dtype
+
+
+def test_ddp_wrapping_uses_no_deprecated_argument_and_bucket_views(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch 2.14 warns (FutureWarning) on broadcast_buffers=
+            wrapped = wrap_for_training(nn.Linear(4, 2), DistInfo(mode="ddp"))
+        assert isinstance(wrapped, nn.parallel.DistributedDataParallel)
+        assert wrapped.gradient_as_bucket_view
+        wrapped(torch.randn(3, 4)).sum().backward()
+        grad = wrapped.module.weight.grad
+        assert grad is not None and grad.abs().sum() > 0
+    finally:
+        dist.destroy_process_group()
