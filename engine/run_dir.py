@@ -115,19 +115,28 @@ def remove_orphaned_temporaries(run_dir: Path) -> list[Path]:
     return removed
 
 
+def _require_config(config_name: str | None, resume: str | None) -> None:
+    if config_name is None and resume in (None, "auto"):
+        raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
+
+
+def _on_checkpoint(overrides: dict[str, str], saved_config: dict[str, Any], path: Path | str) -> Config:
+    """What a resume runs: the checkpoint's config with the command line's KEY=VALUE overrides on top."""
+    return build_config(overrides, source="command line", base=from_dict(saved_config, source=str(path)))
+
+
 def _decide(config_name: str | None, resume: str | None, overrides: list[str], *, overwrite: bool,
             elastic: bool) -> tuple[Config, dict[str, str], Path | None, dict[str, Any] | None, RunDirLock]:
     """Rank 0: (config, the run's command-line overrides so far, checkpoint path or None, its payload,
     the held lock)."""
-    if config_name is None and resume in (None, "auto"):
-        raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
+    _require_config(config_name, resume)
     current = parse_overrides(overrides)
     file_config = load_config(config_name, overrides) if config_name else None
     path = Path(resume) if resume not in (None, "auto") else None
     payload = None
     if path is not None:
         payload = load_checkpoint(path, required_keys=RESUME_KEYS)
-        run_dir = build_config(current, source="command line", base=from_dict(payload["config"], source=str(path))).run_dir
+        run_dir = _on_checkpoint(current, payload["config"], path).run_dir
     else:
         run_dir = file_config.run_dir
     lock = RunDirLock(run_dir).acquire()
@@ -148,7 +157,7 @@ def _decide(config_name: str | None, resume: str | None, overrides: list[str], *
                 logger.warning("--overwrite: deleted %s", run_dir / name)
             remove_orphaned_temporaries(run_dir)
             return file_config, current, None, None, lock
-        config = build_config(current, source="command line", base=from_dict(payload["config"], source=str(path)))
+        config = _on_checkpoint(current, payload["config"], path)
         run_overrides = {**dict(payload.get("overrides") or {}), **current}
         if file_config is not None and "overrides" in payload:
             # the file with every override this run was given must still give the saved config
@@ -181,8 +190,7 @@ def resolved_config(config_name: str | None, resume: str | None, overrides: list
     checkpoint's config with the overrides on top, as a resume does; else the --config file with its
     base chain and the overrides, every other key at its default. Raises ValueError /
     FileNotFoundError as train.py would."""
-    if config_name is None and resume in (None, "auto"):
-        raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
+    _require_config(config_name, resume)
     path = Path(resume) if resume not in (None, "auto") else None
     if path is None:
         config = load_config(config_name, overrides)
@@ -195,7 +203,7 @@ def resolved_config(config_name: str | None, resume: str | None, overrides: list
     saved = peek_checkpoint(path)
     if not saved or "config" not in saved:
         raise ValueError(f"checkpoint '{path}' could not be read (truncated, corrupt, or not a syncseg checkpoint)")
-    config = build_config(parse_overrides(overrides), source="command line", base=from_dict(saved["config"], source=str(path)))
+    config = _on_checkpoint(parse_overrides(overrides), saved["config"], path)
     return config, f"resuming {path} (iteration {saved.get('iteration', '?')})" + (
         f" with {' '.join(overrides)}" if overrides else "")
 
@@ -208,7 +216,7 @@ def dist_timeout(config_name: str | None, resume: str | None, overrides: list[st
             return load_config(config_name, overrides).dist.timeout_s
         saved = peek_checkpoint(resume) if resume not in (None, "auto") else None
         if saved and "config" in saved:
-            return build_config(parse_overrides(overrides), base=from_dict(saved["config"])).dist.timeout_s
+            return _on_checkpoint(parse_overrides(overrides), saved["config"], resume).dist.timeout_s
     except (ValueError, FileNotFoundError):
         pass
     return DistConfig().timeout_s

@@ -83,8 +83,9 @@ class Trainer:
     """Builds everything from a Config and trains. Only rank 0 writes files.
 
     `resume`: a checkpoint payload (engine.checkpoint.load_checkpoint with RESUME_KEYS) to continue
-    from, or None; `run_id` and `overrides` (engine.run_dir.RunPlan) are saved in every checkpoint. `stop_at`: stop (saving last.pt, as on a signal) at this iteration; None =
-    train.iters. `fit` may be called again with a later `stop_at`: it continues the same data stream.
+    from, or None; `run_id` and `overrides` (engine.run_dir.RunPlan) are saved in every checkpoint.
+    `stop_at`: stop (saving last.pt, as on a signal) at this iteration; None = train.iters. `fit` may be
+    called again with a later `stop_at`: it continues the same data stream.
     """
 
     def __init__(self, config: Config, dist_info: DistInfo, *, resume: Mapping[str, Any] | None = None,
