@@ -86,15 +86,19 @@ class RandomScaleCrop(DualTransform):
         src_top, src_left = int(top / scale), int(left / scale)
         src_bottom = min(height, int(np.ceil((top + visible_h) / scale)) + 1)
         src_right = min(width, int(np.ceil((left + visible_w) / scale)) + 1)
-        window = np.ascontiguousarray(array[src_top:src_bottom, src_left:src_right])
+        window = array[src_top:src_bottom, src_left:src_right]  # cv2 reads the strided view as it is
         resized = cv2.resize(window, (0, 0), fx=scale, fy=scale, interpolation=interpolation)
         offset_y, offset_x = top - round(src_top * scale), left - round(src_left * scale)
         piece = resized[offset_y:offset_y + visible_h, offset_x:offset_x + visible_w]
-        out = np.full((crop_height, crop_width) + array.shape[2:], fill, dtype=array.dtype)
-        out[: piece.shape[0], : piece.shape[1]] = piece
-        if piece.shape[:2] != (visible_h, visible_w):  # rounding left a sliver: repeat the edge
-            out[piece.shape[0]:visible_h, : piece.shape[1]] = out[max(piece.shape[0] - 1, 0), : piece.shape[1]]
-            out[:visible_h, piece.shape[1]:visible_w] = out[:visible_h, max(piece.shape[1] - 1, 0), None]
+        piece_h, piece_w = piece.shape[:2]
+        # every pixel is written once: the piece, the edge sliver rounding may leave, then the padding
+        out = np.empty((crop_height, crop_width) + array.shape[2:], dtype=array.dtype)
+        out[:piece_h, :piece_w] = piece
+        if (piece_h, piece_w) != (visible_h, visible_w):  # rounding left a sliver: repeat the edge
+            out[piece_h:visible_h, :piece_w] = out[max(piece_h - 1, 0), :piece_w]
+            out[:visible_h, piece_w:visible_w] = out[:visible_h, max(piece_w - 1, 0), None]
+        out[visible_h:] = fill
+        out[:visible_h, visible_w:] = fill
         return out
 
     def apply(self, img: np.ndarray, **params: Any) -> np.ndarray:
