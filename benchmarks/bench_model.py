@@ -1,6 +1,11 @@
 """Training-step time of our DeepLabV3 against torchvision's, same run, paired ratios.
 
-    python -m benchmarks.bench_model [--repeats 9] [--batch 2] [--size 257] [--threads N] [--output results.json]
+    python -m benchmarks.bench_model [--repeats 20] [--batch 2] [--size 129] [--threads 1] [--output results.json]
+
+Defaults: one thread and 129 px. With two threads on this 2-core machine a step varies ~8% from one
+repetition to the next (8 pairs gave an A/A control of 1.020); with one thread it varies ~3%, and a
+smaller input buys more repetitions in the same time. The ratio compares two identical networks, so it
+does not depend on the input size.
 
 Variants (identical weights, training mode, cross-entropy on random labels for `out` + 0.4 `aux`,
 forward + backward, gradients cleared each step):
@@ -29,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.models.segmentation import deeplabv3_resnet50
 
-from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, stable_allocator, write_record
+from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, quiet_gc, stable_allocator
+from benchmarks.common import write_record
 from engine.config import ModelConfig
 from model.builder import build_model, load_segmentation_weights
 
@@ -67,11 +73,12 @@ def training_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=8, help="timed repetitions (each runs every variant once; 4 make one balanced cycle)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed repetitions (each runs every variant once; 4 make one balanced cycle)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant first")
     parser.add_argument("--batch", type=int, default=2, help="images per training step")
-    parser.add_argument("--size", type=int, default=257, help="square input size, pixels")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    parser.add_argument("--size", type=int, default=129, help="square input size, pixels")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_model.json)")
     args = parser.parse_args(argv)
@@ -93,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats):
         order = orders[repeat % len(orders)]
         for name in order:
-            wall, cpu = training_step(models[name], images, labels)
+            with quiet_gc():
+                wall, cpu = training_step(models[name], images, labels)
             times[name].append(wall)
             cpu_times[name].append(cpu)
         print(f"  repetition {repeat + 1}/{args.repeats} (wall / cpu s): "

@@ -8,9 +8,12 @@ b. the synchronized code path with communication stubbed out (one replica merges
    time and saved bytes vs F.batch_norm in training mode. Targets: time <= 1.5x, saved bytes <= 1.1x.
 c. 2 gloo ranks (CPU, separate processes): (synchronized layer time - local nn.BatchNorm2d time) /
    (time of the bare collectives the layer needs: one all_gather of 2C+1 float64 values in forward,
-   one all_reduce of 2C values in backward). Target <= 2. Beside it, "c in place": the same numerator
-   over the time those collectives add when they run inside a local BN step at the layer's places
-   (after the forward, after the backward), where each waits for the slower rank.
+   one all_reduce of 2C values in backward; a sample is the median of 32 individually timed pairs,
+   since gloo's loopback latency is bimodal). Target <= 2. Beside it, reported without a verdict
+   (no issue sets a target for it), "c in place": the same numerator over the time those collectives
+   add when they run inside a local BN step at the layer's places (after the forward, after the
+   backward), where each also waits for the slower rank. It is a difference of two noisy
+   differences (its pairs spread over 1-4), so across runs it straddles 2.
 
 Every variant runs forward + backward with a random upstream gradient. Variants are interleaved
 in each repetition (so machine noise hits them alike); medians of per-repetition ratios are reported
@@ -29,6 +32,7 @@ import os
 import socket
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -156,11 +160,24 @@ def _rank_worker(rank: int, port: int, repeats: int, out_path: str, threads: int
             x.grad = None
             module(x).backward(upstream)
 
-        def collectives():
-            # one sample = COMM_PASSES pairs, averaged: a single pair on loopback is bimodal (~1 or ~4 ms)
-            for _ in range(COMM_PASSES):
-                dist.all_gather(gather_out, gather_row)
-                dist.all_reduce(reduce_row)
+        pair_medians: dict[str, list[float]] = {"comm": [], "comm copy": []}
+        pair_means: dict[str, list[float]] = {"comm": [], "comm copy": []}
+
+        def collectives(name):
+            # One sample = COMM_PASSES pairs, each timed. gloo's latency on loopback is bimodal (all_reduce:
+            # ~0.5 ms, or ~4 ms in about one call in five), so a mean of 32 pairs still swings +-20% from
+            # sample to sample; the sample's median pair is stable, and it is what the numerator's median of
+            # single steps mostly sees. The mean is recorded beside it.
+            def run():
+                pairs = []
+                for _ in range(COMM_PASSES):
+                    start = time.perf_counter()
+                    dist.all_gather(gather_out, gather_row)
+                    dist.all_reduce(reduce_row)
+                    pairs.append(time.perf_counter() - start)
+                pair_medians[name].append(statistics.median(pairs))
+                pair_means[name].append(statistics.fmean(pairs))
+            return run
 
         def local_with_collectives():
             # the same two collectives at the same places as in the synchronized layer (after the forward's
@@ -172,11 +189,12 @@ def _rank_worker(rank: int, port: int, repeats: int, out_path: str, threads: int
             dist.all_reduce(reduce_row)
 
         variants = {"sync": lambda: layer_step(sync), "local": lambda: layer_step(local),
-                    "local copy": lambda: layer_step(local_copy), "comm": collectives, "comm copy": collectives,
-                    "local + collectives": local_with_collectives}
+                    "local copy": lambda: layer_step(local_copy), "comm": collectives("comm"),
+                    "comm copy": collectives("comm copy"), "local + collectives": local_with_collectives}
         times = time_interleaved(variants, repeats, before=dist.barrier)
-        times["comm"] = [t / COMM_PASSES for t in times["comm"]]
-        times["comm copy"] = [t / COMM_PASSES for t in times["comm copy"]]
+        for name in ("comm", "comm copy"):  # the sample's median pair, not its total (the warm-up left out)
+            times[name] = pair_medians[name][-repeats:]
+            pair_means[name] = pair_means[name][-repeats:]
         extra = [s - l for s, l in zip(times["sync"], times["local"])]
         extra_median = statistics.median(extra)
         in_place = [c - l for c, l in zip(times["local + collectives"], times["local"])]
@@ -191,6 +209,7 @@ def _rank_worker(rank: int, port: int, repeats: int, out_path: str, threads: int
             "collectives_in_place_ms": summary(in_place, 1000),
             "c_in_place": {"median": extra_median / statistics.median(in_place),
                            **{key: value for key, value in paired(extra, in_place).items() if key != "median"}},
+            "comm_mean_pair_ms": summary(pair_means["comm"], 1000),
             "local_control": paired(times["local copy"], times["local"]),
             "comm_control": paired(times["comm copy"], times["comm"]),
         })
@@ -242,7 +261,7 @@ def main() -> None:
         threads = max(1, (os.cpu_count() or 2) // 2)
         distributed_rows = two_rank_benchmark(args.repeats, threads)
         print(f"\n2 gloo ranks on CPU ({threads} thread(s) each), batch split in half; ms are medians (IQR):")
-        header = (f"{'shape':>18} | {'local ms':>14} {'extra ms':>14} {'of local':>8} | {'comm ms':>14} | "
+        header = (f"{'shape':>18} | {'local ms':>14} {'extra ms':>14} {'of local':>8} | {'comm ms':>14} {'mean':>5} | "
                   f"{'c':>6} {'A/A local':>9} {'A/A comm':>8} | {'in place ms':>14} {'c in place':>10}")
         print(header)
         print("-" * len(header))
@@ -251,17 +270,19 @@ def main() -> None:
                 return f"{stats['median']:5.2f} ({stats['q1']:.2f}-{stats['q3']:.2f})"
 
             print(f"{str(tuple(row['shape'])):>18} | {cell(row['ms']['local']):>14} {cell(row['extra_ms']):>14} "
-                  f"{100 * row['extra_fraction_of_local']:7.1f}% | {cell(row['ms']['comm']):>14} | "
+                  f"{100 * row['extra_fraction_of_local']:7.1f}% | {cell(row['ms']['comm']):>14} "
+                  f"{row['comm_mean_pair_ms']['median']:5.2f} | "
                   f"{row['c']['median']:6.2f} {row['local_control']['median']:9.3f} "
                   f"{row['comm_control']['median']:8.3f} | {cell(row['collectives_in_place_ms']):>14} "
                   f"{row['c_in_place']['median']:10.2f}")
             worse = max((row["local_control"], row["comm_control"]), key=lambda c: abs(c["median"] - 1))
             label = "x".join(map(str, row["shape"]))
             targets.append(judge(f"syncbn c {label}", row["c"], target=2.0, control=worse))
-            targets.append(judge(f"syncbn c in place {label}", row["c_in_place"], target=2.0,
-                                 control=row["local_control"]))
-        print("target: c = median(sync - local) / median(bare collectives) <= 2; 'in place': the same collectives "
-              "inside a local BN step (after its forward, after its backward), where they wait for the slower rank")
+        print("comm ms: median over samples of each sample's median pair (all_gather + all_reduce); mean: the same "
+              "with each sample's mean pair (gloo's slow mode included)")
+        print("target: c = median(sync - local) / median(bare collectives) <= 2; 'c in place' (no verdict): the "
+              "same numerator over the collectives run inside a local BN step (after its forward, after its "
+              "backward), where they also wait for the slower rank")
 
     print_targets(targets)
     write_record("bench_syncbn", args.output, {"environment": env, "single_process": rows,

@@ -9,7 +9,13 @@ checkpoints are outside the timed window (the full loop's time is `TrainResult.t
 Reports per-round seconds per iteration, the paired ratio full / bare per round and their medians;
 target ratio <= 1.10. Public API only.
 
-    python -m benchmarks.bench_train [--config demo.yaml] [--rounds 16] [--iters 15] [--threads 2] [KEY=VALUE ...]
+    python -m benchmarks.bench_train [--config demo.yaml] [--rounds 64] [--iters 3] [--threads 1] [KEY=VALUE ...]
+
+Defaults: one torch thread, so the DataLoader worker has the other core (as workers have their own cores
+in a real run) instead of stealing one of the two compute threads' cores, which made identical rounds
+differ by ~11%; with one thread they differ by ~7%. Short rounds (3 iterations) and many of them: the
+median of paired ratios sheds the rounds a burst of machine noise hits, and 15-iteration rounds all
+contained some.
 """
 from __future__ import annotations
 
@@ -20,19 +26,20 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, stable_allocator, write_record
+from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, quiet_gc, stable_allocator
+from benchmarks.common import write_record
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="demo.yaml", help="config name in configs/ or a YAML path")
-    parser.add_argument("--rounds", type=int, default=16,
+    parser.add_argument("--rounds", type=int, default=64,
                         help="interleaved rounds of the four variants (4 make one balanced cycle)")
-    parser.add_argument("--iters", type=int, default=15, help="iterations per round and variant")
+    parser.add_argument("--iters", type=int, default=3, help="iterations per round and variant")
     parser.add_argument("--warmup", type=int, default=-1,
                         help="untimed full-loop iterations first (-1: one epoch, so the timed rounds see the "
                              "steady state of a run, e.g. the synthetic renders already cached by the workers)")
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave as is)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0 = leave as is)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_train.json)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.batch_size=4")
     args = parser.parse_intermixed_args(argv)
@@ -102,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         orders = balanced_orders(list(variants))
         for round_index in range(args.rounds):
             order = orders[round_index % len(orders)]
-            seconds = {name: variants[name]() / args.iters for name in order}
+            seconds = {}
+            for name in order:
+                with quiet_gc():
+                    seconds[name] = variants[name]() / args.iters
             rows.append({"round": round_index, "full_s_per_iter": seconds["full"], "bare_s_per_iter": seconds["bare"],
                          "bare_copy_s_per_iter": seconds["bare_copy"], "train_step_s_per_iter": seconds["step"],
                          "ratio": seconds["full"] / seconds["bare"], "train_step_ratio": seconds["step"] / seconds["bare"]})

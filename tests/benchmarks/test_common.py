@@ -19,6 +19,38 @@ def test_interleaving_follows_the_balanced_orders_and_averages_inner_calls():
     assert times == {name: [0.5, 0.5] for name in "abc"}  # one clock tick per sample of 2 calls
 
 
+def test_no_garbage_collection_runs_inside_a_sample():
+    import gc
+
+    collections = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    def make_garbage():
+        assert not gc.isenabled()
+        for _ in range(5000):  # reference cycles: enough to trigger a collection if the collector were on
+            cycle = []
+            cycle.append(cycle)
+
+    gc.callbacks.append(on_gc)
+    try:
+        sample_collections = []
+
+        def timed():
+            start = len(collections)
+            make_garbage()
+            sample_collections.append(len(collections) - start)
+
+        common.time_interleaved({"a": timed}, 3, warmup=0)
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert sample_collections == [0, 0, 0]
+    assert gc.isenabled()  # restored after the samples
+    assert collections and max(collections) <= 1  # the young generations, between samples, only
+
+
 @pytest.mark.parametrize("n", range(1, 8))
 def test_balanced_orders_let_every_variant_follow_every_other_equally_often(n):
     names = [f"v{i}" for i in range(n)]
