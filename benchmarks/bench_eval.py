@@ -16,7 +16,7 @@ windows overlap, so they cover more pixels than the image).
 Each comparison runs beside an A/A control (numpy_bincount_copy, whole_copy); a verdict needs it within
 1.02 (benchmarks/common.py).
 
-    python -m benchmarks.bench_eval [--rounds 60] [--inference-rounds 24] [--threads 1] [--device cpu|cuda] [--output PATH]
+    python -m benchmarks.bench_eval [--rounds 150] [--inference-rounds 24] [--threads 1] [--device cpu|cuda] [--output PATH]
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def bench_inference(rounds: int, device: torch.device, *, height: int, width: in
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=60,
+    parser.add_argument("--rounds", type=int, default=150,
                         help="interleaved rounds of the confusion-matrix variants (10 make one balanced cycle)")
     parser.add_argument("--inference-rounds", type=int, default=24,
                         help="interleaved rounds of the inference modes (4 make one balanced cycle)")
