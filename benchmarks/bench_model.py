@@ -1,6 +1,6 @@
 """Training-step time of our DeepLabV3 against torchvision's, same run, paired ratios.
 
-    python -m benchmarks.bench_model [--repeats 20] [--batch 2] [--size 129] [--threads 1] [--output results.json]
+    python -m benchmarks.bench_model [--repeats 32] [--batch 2] [--size 129] [--threads 1] [--output results.json]
 
 Defaults: one thread and 129 px. With two threads on this 2-core machine a step varies ~8% from one
 repetition to the next (8 pairs gave an A/A control of 1.020); with one thread it varies ~3%, and a
@@ -73,7 +73,7 @@ def training_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Te
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=20,
+    parser.add_argument("--repeats", type=int, default=32,
                         help="timed repetitions (each runs every variant once; 4 make one balanced cycle)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each variant first")
     parser.add_argument("--batch", type=int, default=2, help="images per training step")
