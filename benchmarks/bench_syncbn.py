@@ -165,9 +165,10 @@ def _rank_worker(rank: int, port: int, repeats: int, out_path: str, threads: int
 
         def collectives(name):
             # One sample = COMM_PASSES pairs, each timed. gloo's latency on loopback is bimodal (all_reduce:
-            # ~0.5 ms, or ~4 ms in about one call in five), so a mean of 32 pairs still swings +-20% from
-            # sample to sample; the sample's median pair is stable, and it is what the numerator's median of
-            # single steps mostly sees. The mean is recorded beside it.
+            # ~0.5 ms, or ~4 ms in one call in five to three), so a mean of 32 pairs swings +-20% from sample
+            # to sample; the sample's median pair swings less, and it is what the numerator's median of
+            # single steps mostly sees. The mix also drifts over seconds, which no estimator removed: on
+            # this 2-core VM the comm A/A control still reads 0.87-1.06. The mean is recorded beside it.
             def run():
                 pairs = []
                 for _ in range(COMM_PASSES):

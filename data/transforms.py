@@ -91,6 +91,8 @@ class RandomScaleCrop(DualTransform):
         offset_y, offset_x = top - round(src_top * scale), left - round(src_left * scale)
         piece = resized[offset_y:offset_y + visible_h, offset_x:offset_x + visible_w]
         piece_h, piece_w = piece.shape[:2]
+        if piece_h == 0 or piece_w == 0:  # rounding at a tiny scale left nothing of the source in view
+            return np.full((crop_height, crop_width) + array.shape[2:], fill, dtype=array.dtype)
         # every pixel is written once: the piece, the edge sliver rounding may leave, then the padding
         out = np.empty((crop_height, crop_width) + array.shape[2:], dtype=array.dtype)
         out[:piece_h, :piece_w] = piece
