@@ -14,6 +14,7 @@ MALLOC_TRIM_THRESHOLD_ raised, so freed memory stays in the process and is reuse
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -22,7 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 STABLE_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967295"}
 ALLOCATOR_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD",
@@ -110,18 +111,18 @@ def time_interleaved(variants: Mapping[str, Callable[[], Any]], repeats: int, *,
     return times
 
 
-class quiet_gc:
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
     """Collect the young generations now, then keep the collector off until the block ends (as timeit
-    does): a collection landing inside one sample and not its twin is noise (a full one here takes
-    ~200 ms with torch's ~400k objects, so only generations 0 and 1 are collected, ~1 ms)."""
-
-    def __enter__(self) -> None:
-        self.enabled = gc.isenabled()
-        gc.collect(1)
-        gc.disable()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
+    does): a collection landing inside one sample and not its twin is noise. Only generations 0 and 1
+    are collected (microseconds); a full collection takes ~200 ms with torch's ~400k objects."""
+    enabled = gc.isenabled()
+    gc.collect(1)
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
             gc.enable()
 
 
