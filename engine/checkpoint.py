@@ -19,11 +19,12 @@ segmentation weights, the classifier skipped when the class count differs.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,21 +97,65 @@ def current_umask() -> int:
     return mask
 
 
-def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
-    """Write `payload` to `path` atomically (temporary file in the same folder, fsync, os.replace),
-    with mode 0666 & ~umask like any file the user creates (mkstemp's own 0600 would hide it).
+class _WriteErrorRecorder(io.BufferedIOBase):
+    """The file object a serializer writes through, keeping the first OSError a write raised. An
+    io.BufferedIOBase that can seek, as torch.export.save requires of a buffer; closing it leaves the
+    file open."""
 
-    Creates the parent folder. Raises ValueError, before writing anything, when the payload holds an
-    object that would not load with weights_only=True.
+    def __init__(self, file: Any) -> None:
+        super().__init__()
+        self._file = file
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as error:
+            if self.error is None:
+                self.error = error
+            raise
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
+    def seekable(self) -> bool:
+        return self._file.seekable()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+
+def write_atomically(path: str | Path, write: Callable[[Any], None], *, what: str = "checkpoint") -> None:
+    """Create `path` through `write(file)`, atomically: `write` fills a temporary file in the same folder
+    (a seekable binary file object), which is fsynced and renamed over `path`, so `path` is
+    either its old content or the complete new one. The file gets mode 0666 & ~umask like any file the
+    user creates (mkstemp's own 0600 would hide it from teammates). Creates the parent folder.
+
+    Any failure removes the temporary file. An OSError (a full disk, a quota, a read-only folder) becomes
+    one naming `what` and `path` and saying the previous file is unchanged, also when the serializer hid
+    it: torch's zip writer swallows the OSError of a failed write and raises "[enforce fail at
+    inline_container.cc] unexpected pos ..." instead.
     """
     path = Path(path)
-    _check_plain(dict(payload), "payload")
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
     try:
         os.fchmod(handle, 0o666 & ~current_umask())
         with os.fdopen(handle, "wb") as file:
-            torch.save(dict(payload), file)
+            writer = _WriteErrorRecorder(file)
+            try:
+                write(writer)
+            except Exception as error:
+                if writer.error is None or isinstance(error, OSError):
+                    raise
+                raise writer.error from error
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -119,8 +164,8 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
             os.unlink(temporary)
         except FileNotFoundError:
             pass
-        if isinstance(error, OSError):  # e.g. a full disk: say which file, and that the old one is intact
-            raise OSError(error.errno, f"could not write checkpoint '{path}': {error.strerror or error}; "
+        if isinstance(error, OSError) and error.errno is not None:  # not io.UnsupportedOperation, a bug
+            raise OSError(error.errno, f"could not write {what} '{path}': {error.strerror or error}; "
                           "the previous file there (if any) is unchanged") from None
         raise
     try:  # make the rename itself durable; not possible on every platform / filesystem
@@ -133,6 +178,17 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
         pass
     finally:
         os.close(directory)
+
+
+def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
+    """Write `payload` to `path` with torch.save, atomically (`write_atomically`: the previous file stays
+    whole on any failure, and a full disk is an OSError naming the file).
+
+    Raises ValueError, before writing anything, when the payload holds an object that would not load
+    with weights_only=True.
+    """
+    _check_plain(dict(payload), "payload")
+    write_atomically(path, lambda file: torch.save(dict(payload), file))
 
 
 def _read(path: Path, what: str) -> Any:
@@ -194,22 +250,13 @@ def save_safetensors(path: str | Path, payload: Mapping[str, Any]) -> None:
     """Write a payload's `model` as a .safetensors file with SAFETENSORS_METADATA as JSON metadata
     (atomically, with the umask's mode, like save_checkpoint). Raises ValueError without safetensors."""
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
     except ImportError:
         raise ValueError("writing .safetensors needs the safetensors package (pip install -r requirements.txt)") from None
-    path = Path(path)
     metadata = {key: json.dumps(payload[key]) for key in SAFETENSORS_METADATA if key in payload}
     tensors = {key: value.detach().cpu().contiguous() for key, value in payload["model"].items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
-    os.close(handle)
-    try:
-        save_file(tensors, temporary, metadata=metadata)
-        os.chmod(temporary, 0o666 & ~current_umask())  # after: save_file creates the file anew
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    # serialized in memory (one copy of the weights) so that the file is written by write_atomically
+    write_atomically(path, lambda file: file.write(save(tensors, metadata=metadata)), what="safetensors file")
 
 
 def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:

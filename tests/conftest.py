@@ -1,7 +1,28 @@
 import os
+import shutil
+import subprocess
 
+import pytest
 import torch
 
 # Keep tests deterministic and light on the 2-core CI machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs under tmp_path: a filesystem that really fills up (short writes, then ENOSPC from the
+    kernel), unmounted afterwards. Skips where mounting is not allowed (not root, no mount(8))."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
+                             capture_output=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)

@@ -1,6 +1,7 @@
 """engine.checkpoint: atomic save, checked load, loading into a model for inference, resume resolution."""
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -73,6 +74,22 @@ def test_failed_save_keeps_previous_file(tmp_path, monkeypatch):
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]
     assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(3))
+
+
+def test_a_disk_that_fills_up_mid_save_is_the_oserror_naming_the_file(small_disk):
+    # torch.save's zip writer hides the OSError of a failed write and raises "[enforce fail at
+    # inline_container.cc] unexpected pos ..." instead; the user must see the disk error and the file
+    path = small_disk / "last.pt"
+    save_checkpoint(path, {"format_version": 1, "model": {"w": torch.ones(3)}, "config": {}, "classes": []})
+    before = path.read_bytes()
+    with pytest.raises(OSError) as raised:  # 8 MB of weights on a 4 MiB disk
+        save_checkpoint(path, {"format_version": 1, "model": {"w": torch.zeros(2_000_000)}, "config": {},
+                               "classes": []})
+    assert raised.value.errno == errno.ENOSPC
+    assert str(raised.value) == (f"[Errno {errno.ENOSPC}] could not write checkpoint '{path}': No space left on "
+                                 "device; the previous file there (if any) is unchanged")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in small_disk.iterdir()) == ["last.pt"]  # the temporary file is gone
 
 
 def test_missing_file_names_path(tmp_path):
