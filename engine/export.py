@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.checkpoint import write_atomically
 from model.sync_batchnorm import revert_model
 
 logger = logging.getLogger(__name__)
@@ -104,17 +105,21 @@ def _dimension_ranges(program: Any) -> str:
 def export_model(module: LogitsModel, fmt: str, path: Path, *, sample: torch.Tensor,
                  metadata: Mapping[str, Any]) -> str:
     """Write `module` in format `fmt` (onnx | torchscript | exported) to `path`; returns a line on its
-    dynamic dimensions. Raises ValueError when the exporter (or its packages) fails."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    dynamic dimensions. The file is written atomically (engine.checkpoint.write_atomically: an export
+    already at `path` stays whole when this fails, and a full disk is an OSError naming the file).
+    Raises ValueError when the exporter (or its packages) fails."""
     text = json.dumps(dict(metadata))
     if fmt == "torchscript":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch.jit's deprecation notice
-            torch.jit.save(_quiet_trace(module, sample), str(path), _extra_files={METADATA_FILE: text})
+            traced = _quiet_trace(module, sample)
+            write_atomically(path, lambda file: torch.jit.save(traced, file, _extra_files={METADATA_FILE: text}),
+                             what="export")
         return "traced: batch, height and width follow the input"
     if fmt == "exported":
         program = torch.export.export(module, (sample,), dynamic_shapes=_dynamic_shapes())
-        torch.export.save(program, str(path), extra_files={METADATA_FILE: text})
+        write_atomically(path, lambda file: torch.export.save(program, file, extra_files={METADATA_FILE: text}),
+                         what="export")
         return _dimension_ranges(program)
     if fmt == "onnx":
         try:
@@ -131,7 +136,7 @@ def export_model(module: LogitsModel, fmt: str, path: Path, *, sample: torch.Ten
         for key, value in metadata.items():
             entry = model_proto.metadata_props.add()
             entry.key, entry.value = key, value if isinstance(value, str) else json.dumps(value)
-        onnx.save(model_proto, str(path))
+        write_atomically(path, lambda file: onnx.save(model_proto, file), what="export")
         dims = model_proto.graph.input[0].type.tensor_type.shape.dim
         return ", ".join(f"{name} {'dynamic' if dim.dim_param else dim.dim_value}"
                          for name, dim in zip(("batch", "channels", "height", "width"), dims))

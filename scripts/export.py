@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"export.py: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # e.g. a full disk: the message names the file, an earlier export there is intact
+        print(f"export.py: error: {error.strerror or error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

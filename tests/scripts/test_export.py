@@ -84,3 +84,19 @@ def test_bad_arguments_are_one_line(checkpoint, args, fragment, capsys):
 def test_a_missing_checkpoint_names_it(tmp_path, capsys):
     assert _script().main(["--checkpoint", str(tmp_path / "nope.pt"), "--format", "onnx"]) == 2
     assert "nope.pt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "exported", "onnx", "safetensors"])
+def test_a_full_disk_is_one_line_naming_the_file_and_an_earlier_export_there_stays(checkpoint, small_disk, fmt,
+                                                                                   capsys):
+    # the tiny model's ~45 MB of weights on a 4 MiB filesystem: every format's real writer runs out of space
+    output = small_disk / f"model.{fmt}"
+    output.write_bytes(b"an earlier export")
+    assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output),
+                           "--size", "32,32"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    what = "safetensors file" if fmt == "safetensors" else "export"
+    assert error == [f"export.py: error: could not write {what} '{output}': No space left on device; the previous "
+                     "file there (if any) is unchanged"]
+    assert output.read_bytes() == b"an earlier export"
+    assert sorted(p.name for p in small_disk.iterdir()) == [output.name]  # no temporary file left
