@@ -6,6 +6,11 @@ run dir itself, so `tensorboard --logdir runs/` lists each run by its folder nam
 change during a run (NOT_PLOTTED) stay in metrics.jsonl only: a card with a flat line says nothing.
 Each validation also writes a `val/summary` text card, the exact numbers (TensorBoard's scalar
 charts smooth by default; README: open them with ?smoothing=0).
+
+A failed write (a full disk) is an OSError naming the file: metrics.jsonl's, or the event files' folder
+(TensorBoard writes from a thread of its own and hands its error to the next call here; its thread's
+traceback is not printed). The resume's rewrite of metrics.jsonl is atomic, so a full disk there leaves
+the old file whole.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import contextlib
 import json
 import logging
 import resource
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -21,6 +27,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+from engine.checkpoint import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +54,7 @@ class MetricsLog:
         if not enabled:
             return
         if resume_iteration is None:
-            self.path.write_text("")
+            self._write_metrics(lambda file: None)
         elif self.path.is_file():
             kept = []
             for number, line in enumerate(self.path.read_text().splitlines(), 1):
@@ -57,16 +65,34 @@ class MetricsLog:
                     continue
                 if record is not None and record.get("iteration", 0) <= resume_iteration:
                     kept.append(line)
-            self.path.write_text("".join(line + "\n" for line in kept))
+            text = "".join(line + "\n" for line in kept).encode()
+            self._write_metrics(lambda file: file.write(text))
         self._open()
+
+    def _write_metrics(self, write: Any) -> None:
+        write_atomically(self.path, write, what="metrics log")
 
     def _open(self) -> Any:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter  # heavy import, only where logs are written
 
-            self.writer = SummaryWriter(log_dir=str(self.events_dir()), purge_step=self._purge_step)
+            _quiet_tensorboard_thread_errors()
+            with self._naming_events_dir():
+                self.writer = SummaryWriter(log_dir=str(self.events_dir()), purge_step=self._purge_step)
             self._purge_step = None
         return self.writer
+
+    @contextlib.contextmanager
+    def _naming_events_dir(self) -> Iterator[None]:
+        """An OSError of TensorBoard's writer (raised here or handed over from its thread) as one naming
+        the folder of the event files."""
+        try:
+            yield
+        except OSError as error:
+            if error.errno is None:
+                raise
+            raise OSError(error.errno, f"could not write TensorBoard events in '{self.events_dir()}': "
+                          f"{error.strerror or error}") from None
 
     def events_dir(self) -> Path:
         """The run dir; for a resumed run whose earlier events are in run_dir/tensorboard, that folder
@@ -80,11 +106,17 @@ class MetricsLog:
         """Append `record` to metrics.jsonl and plot its numbers as `prefix/key` (NOT_PLOTTED left out)."""
         if not self.enabled:
             return
-        for key, value in flat_numbers(record):
-            if f"{prefix}/{key}" not in NOT_PLOTTED:
-                self._open().add_scalar(f"{prefix}/{key}", value, step)
-        with self.path.open("a") as file:
-            file.write(json.dumps({"type": prefix, "iteration": step, **record}) + "\n")
+        line = json.dumps({"type": prefix, "iteration": step, **record}) + "\n"
+        try:  # a line cut short by a full disk is dropped on resume like a killed process's
+            with self.path.open("a") as file:
+                file.write(line)
+        except OSError as error:
+            raise OSError(error.errno, f"could not append to '{self.path}': {error.strerror or error}") from None
+        writer = self._open()
+        with self._naming_events_dir():
+            for key, value in flat_numbers(record):
+                if f"{prefix}/{key}" not in NOT_PLOTTED:
+                    writer.add_scalar(f"{prefix}/{key}", value, step)
 
     def validation(self, metrics: Mapping[str, Any], *, classes: Sequence[str], step: int) -> None:
         """Log evaluate()'s `metrics` as `val` scalars (per-class IoU under val/iou/<class>) and the
@@ -93,20 +125,50 @@ class MetricsLog:
         record["iou"] = {name: value for name, value in zip(classes, metrics["iou"]) if value is not None}
         self.scalars(record, step=step, prefix="val")
         if self.enabled:
-            self._open().add_text("val/summary", validation_markdown(metrics, classes=classes, step=step), step)
+            writer = self._open()
+            with self._naming_events_dir():
+                writer.add_text("val/summary", validation_markdown(metrics, classes=classes, step=step), step)
 
     def image(self, tag: str, image: np.ndarray, *, step: int) -> None:
         if self.enabled:
-            self._open().add_image(tag, image, step, dataformats="HWC")
+            writer = self._open()
+            with self._naming_events_dir():
+                writer.add_image(tag, image, step, dataformats="HWC")
 
     def flush(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
+            with self._naming_events_dir():
+                self.writer.flush()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        """Close the event files. Never raises an OSError: it runs however training ended, also after
+        the error that stopped it; a failure to write the last events is a warning."""
+        if self.writer is None:
+            return
+        writer, self.writer = self.writer, None
+        try:
+            with self._naming_events_dir():
+                writer.close()
+        except OSError as error:
+            logger.warning("%s; the last TensorBoard points may be missing (metrics.jsonl has them)",
+                           error.strerror or error)
+
+
+def _quiet_tensorboard_thread_errors() -> None:
+    """Leave out the traceback TensorBoard's writer thread prints when a write fails: the thread hands the
+    error to the next add_*/flush call, which reports it as one line (MetricsLog._naming_events_dir)."""
+    previous = threading.excepthook
+    if getattr(previous, "_syncseg_quiet_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        module = type(args.thread).__module__ if args.thread is not None else ""
+        if module.startswith("tensorboard.") and args.exc_type is not None and issubclass(args.exc_type, OSError):
+            return
+        previous(args)
+
+    hook._syncseg_quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def flat_numbers(record: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:

@@ -238,10 +238,15 @@ class Trainer:
 
     @contextlib.contextmanager
     def _flushing_log(self) -> Iterator[None]:
+        """Flush the TensorBoard events when the loop ends; after an error, without letting a failed
+        flush (the same full disk, say) replace the error that ended it."""
         try:
             yield
-        finally:
-            self.log.flush()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.log.flush()
+            raise
+        self.log.flush()
 
     def _due(self, stop_at: int) -> tuple[bool, bool, bool]:
         """(validate, checkpoint, record losses) at the current iteration."""
