@@ -105,11 +105,11 @@ def format_table(classes: list[str], metrics: dict[str, Any]) -> str:
 def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
     """on_batch callback writing DIR/color/<name>.png and DIR/labels/<name>.png for each prediction."""
     import numpy as np
-    from PIL import Image
 
     from data import palette_image
     from data.ade20k import CLASS_TO_RAW
     from data.cityscapes import TRAINID_TO_LABELID
+    from engine.visualize import save_png
 
     color_dir, label_dir = output_dir / "color", output_dir / "labels"
     color_dir.mkdir(parents=True, exist_ok=True)
@@ -122,9 +122,9 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
     def save_batch(batch_index: int, predictions: Any, masks: Any) -> None:
         for index, prediction in zip(batches[batch_index], predictions.numpy().astype(np.uint8)):
             name = dataset.name_of(index)
-            palette_image(prediction, palette).save(color_dir / f"{name}.png")
+            save_png(palette_image(prediction, palette), color_dir / f"{name}.png")
             labels = to_label_ids[prediction] if to_label_ids is not None else prediction
-            Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint8)).save(label_dir / f"{name}.png")
+            save_png(np.ascontiguousarray(labels, dtype=np.uint8), label_dir / f"{name}.png")
 
     return save_batch
 
@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"eval.py: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # e.g. a full disk under --save-predictions: the message names the file
+        print(f"eval.py: error: {error.strerror or error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("eval.py: interrupted", file=sys.stderr)
         return 130
@@ -254,9 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     if is_main:
         print(format_table(record["classes"], metrics))
         if args.output:
-            output = Path(args.output)
-            output.parent.mkdir(parents=True, exist_ok=True)
-            output.write_text(json.dumps(record, indent=2) + "\n")
+            from engine.checkpoint import write_atomically
+
+            output, text = Path(args.output), (json.dumps(record, indent=2) + "\n").encode()
+            try:  # atomically: an earlier report at that path stays whole if this one cannot be written
+                write_atomically(output, lambda file: file.write(text), what="report")
+            except OSError as error:
+                print(f"eval.py: error: {error.strerror or error}", file=sys.stderr)
+                return 1
             logger.info("wrote %s", output)
     return 0
 

@@ -132,11 +132,14 @@ class _WriteErrorRecorder(io.BufferedIOBase):
         return self._file.tell()
 
 
-def write_atomically(path: str | Path, write: Callable[[Any], None], *, what: str = "checkpoint") -> None:
+def write_atomically(path: str | Path, write: Callable[[Any], None], *, what: str = "checkpoint",
+                     durable: bool = True) -> None:
     """Create `path` through `write(file)`, atomically: `write` fills a temporary file in the same folder
     (a seekable binary file object), which is fsynced and renamed over `path`, so `path` is
     either its old content or the complete new one. The file gets mode 0666 & ~umask like any file the
     user creates (mkstemp's own 0600 would hide it from teammates). Creates the parent folder.
+    `durable=False` skips the fsyncs (outputs written by the thousand, such as prediction images: still
+    never half-written, but a power cut may lose them).
 
     Any failure removes the temporary file. An OSError (a full disk, a quota, a read-only folder) becomes
     one naming `what` and `path` and saying the previous file is unchanged, also when the serializer hid
@@ -157,7 +160,8 @@ def write_atomically(path: str | Path, write: Callable[[Any], None], *, what: st
                     raise
                 raise writer.error from error
             file.flush()
-            os.fsync(file.fileno())
+            if durable:
+                os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException as error:
         try:
@@ -168,6 +172,8 @@ def write_atomically(path: str | Path, write: Callable[[Any], None], *, what: st
             raise OSError(error.errno, f"could not write {what} '{path}': {error.strerror or error}; "
                           "the previous file there (if any) is unchanged") from None
         raise
+    if not durable:
+        return
     try:  # make the rename itself durable; not possible on every platform / filesystem
         directory = os.open(path.parent, os.O_RDONLY)
     except OSError:

@@ -296,4 +296,8 @@ def config_yaml(config: Config, *, header: str = "") -> str:
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    Path(path).write_text(config_yaml(config))
+    """Write config.yaml atomically: a resume rewrites it, and a full disk must not leave it empty."""
+    from engine.checkpoint import write_atomically  # engine.checkpoint imports this module
+
+    text = config_yaml(config).encode()
+    write_atomically(path, lambda file: file.write(text), what="config")

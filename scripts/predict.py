@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"predict.py: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # e.g. a full disk: the message names the file
+        print(f"predict.py: error: {error.strerror or error}", file=sys.stderr)
+        return 1
     logger.info("wrote masks and overlays for %d image(s) to %s", count, args.output)
     return 0
 
@@ -97,7 +100,6 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
     import torch.nn.functional as F
-    from PIL import Image
 
     from data import palette_image
     from data.base import read_image
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.checkpoint import load_inference_model
     from engine.distributed import autocast_for, inference_device
     from engine.inference import predict
-    from engine.visualize import background_indices, legend_image, overlay
+    from engine.visualize import background_indices, legend_image, overlay, save_png
 
     if not 0.0 <= args.alpha <= 1.0:
         raise ValueError(f"--alpha {args.alpha} must lie in [0, 1]")
@@ -149,17 +151,16 @@ def run(args: argparse.Namespace) -> int:
         labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()
         target = output / stem
         target.parent.mkdir(parents=True, exist_ok=True)
-        palette_image(labels, palette).save(target.with_name(f"{target.name}_mask.png"))
-        Image.fromarray(overlay(image, labels, palette, alpha=args.alpha, uncoloured=uncoloured)).save(
-            target.with_name(f"{target.name}_overlay.png"))
+        save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
+        save_png(overlay(image, labels, palette, alpha=args.alpha, uncoloured=uncoloured),
+                 target.with_name(f"{target.name}_overlay.png"))
         present = ", ".join(classes[index] for index in np.unique(labels))
         logger.info("%s (%dx%d): %s", image_path, width, height, present)
     if len(large) > 1:
         logger.warning("%d of %d images were that large (see the warning above)", len(large), len(images))
     if args.legend:
         output.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4)))).save(
-            output / "legend.png")
+        save_png(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4))), output / "legend.png")
     return len(images)
 
 

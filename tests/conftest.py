@@ -1,3 +1,4 @@
+import errno
 import os
 import shutil
 import subprocess
@@ -26,3 +27,13 @@ def small_disk(tmp_path):
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)
+
+
+def fill_disk(folder):
+    """Take every free block of the filesystem under `folder` (small_disk's tmpfs) with a file `filler`."""
+    with (folder / "filler").open("wb", buffering=0) as file:  # unbuffered: nothing left to flush at close
+        try:
+            while True:
+                file.write(b"\0" * 4096)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC

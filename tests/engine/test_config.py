@@ -142,6 +142,18 @@ def test_dict_round_trip_and_yaml_file(tmp_path):
         from_dict({**plain, "train": {**plain["train"], "bogus": 1}})
 
 
+def test_saving_config_yaml_on_a_full_disk_keeps_the_old_file(small_disk):
+    from tests.conftest import fill_disk
+
+    path = small_disk / "config.yaml"
+    save_config(load_config("demo.yaml"), path)
+    before = path.read_text()
+    fill_disk(small_disk)
+    with pytest.raises(OSError, match=f"could not write config '{path}': No space left on device"):
+        save_config(load_config("demo.yaml", ["train.iters=7"]), path)  # a resume rewrites config.yaml
+    assert path.read_text() == before
+
+
 @pytest.mark.parametrize("value,expected", [
     ("513", (513, 513)), ("512,1024", (512, 1024)), ("[512, 1024]", (512, 1024)), ("(64)", (64, 64)),
     (96, (96, 96)), ([96], (96, 96)), ([512, 1024], (512, 1024)), (96.0, (96, 96)),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine.run_log import MetricsLog, flat_numbers, format_seconds, progress_bar, validation_markdown
+from tests.conftest import fill_disk
 
 
 def test_metrics_log_restarts_for_a_fresh_run_and_trims_for_a_resume(tmp_path):
@@ -109,23 +110,13 @@ def test_log_lines_go_above_the_progress_bar(capsys):
         assert bar is None
 
 
-def _fill(folder):
-    """Take every free block of the filesystem under `folder` (the small_disk fixture's tmpfs)."""
-    with (folder / "filler").open("wb", buffering=0) as file:  # unbuffered: nothing left to flush at close
-        try:
-            while True:
-                file.write(b"\0" * 4096)
-        except OSError as error:
-            assert error.errno == errno.ENOSPC
-
-
 def test_a_full_disk_names_metrics_jsonl_and_a_resume_keeps_the_old_file(small_disk, capfd):
     run_dir = small_disk / "run"
     run_dir.mkdir()
     path = run_dir / "metrics.jsonl"
     history = "".join(json.dumps({"type": "train", "iteration": i, "loss": float(i)}) + "\n" for i in (1, 2, 3))
     path.write_text(history)
-    _fill(small_disk)
+    fill_disk(small_disk)
     # the resume's trim of metrics.jsonl: the old file stays whole when the new one cannot be written
     with pytest.raises(OSError, match=rf"could not write metrics log '{path}': No space left on device"):
         MetricsLog(run_dir, enabled=True, resume_iteration=2)
@@ -134,7 +125,7 @@ def test_a_full_disk_names_metrics_jsonl_and_a_resume_keeps_the_old_file(small_d
     (small_disk / "filler").unlink()
     log = MetricsLog(run_dir, enabled=True, resume_iteration=3)
     log.flush()
-    _fill(small_disk)
+    fill_disk(small_disk)
     with pytest.raises(OSError) as raised:
         for step in range(4, 200):  # the first line that finds no free block
             log.scalars({"loss": 0.5}, step=step, prefix="train")
@@ -150,7 +141,7 @@ def test_tensorboard_errors_are_one_line_naming_the_folder_without_the_thread_tr
                                                                                         caplog):
     log = MetricsLog(small_disk, enabled=True)
     log.flush()
-    _fill(small_disk)
+    fill_disk(small_disk)
     (small_disk / "metrics.jsonl").write_text("")  # metrics.jsonl keeps its block; the events find none
     with pytest.raises(OSError, match=rf"could not write TensorBoard events in '{small_disk}': No space left"):
         for step in range(1, 200):

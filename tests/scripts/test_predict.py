@@ -180,3 +180,24 @@ def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path,
     assert _load_script().main(["--checkpoint", str(bf16), *common, "--amp", "off"]) == 0
     assert _load_script().main(["--checkpoint", str(path), *common]) == 0
     assert used == ["bf16", "off", "off"]
+
+
+def test_a_full_disk_is_one_line_naming_the_image_and_leaves_no_partial_file(checkpoint, tmp_path, small_disk,
+                                                                            capsys):
+    path, *_ = checkpoint
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    rng = np.random.default_rng(1)
+    for index in range(3):  # noise compresses badly: three 800x800 overlays (~1.9 MB each) do not fit in 4 MiB
+        Image.fromarray(rng.integers(0, 256, (800, 800, 3), dtype=np.uint8)).save(inputs / f"{index}.png")
+    code = _load_script().main(["--checkpoint", str(path), "--input", str(inputs), "--output", str(small_disk),
+                                "--device", "cpu", "data.base_size=64"])
+    assert code == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"predict.py: error: could not write image '{small_disk}/")
+    assert error[0].endswith(": No space left on device; the previous file there (if any) is unchanged")
+    written = sorted(p.name for p in small_disk.iterdir())
+    assert written and not [name for name in written if name.startswith(".")]  # no temporary file left
+    for name in written:  # every file there is a whole PNG
+        with Image.open(small_disk / name) as image:
+            image.load()
