@@ -2,6 +2,7 @@ import errno
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +10,18 @@ import torch
 # Keep tests deterministic and light on the 2-core CI machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+PEAK_DISK_GIB = 3.5  # the most the suite's temporary folders held at once (measured: ~3.0 GiB)
+
+
+def pytest_sessionstart(session):
+    """Say up front when the temporary folder's disk is short of what the suite needs: otherwise the
+    first sign is a checkpoint test failing with "No space left on device"."""
+    folder = tempfile.gettempdir()
+    free = shutil.disk_usage(folder).free / 2**30
+    if free < PEAK_DISK_GIB:
+        session.config.issue_config_time_warning(pytest.PytestWarning(
+            f"{folder} has {free:.1f} GiB free; the test suite writes up to ~{PEAK_DISK_GIB} GiB of "
+            "checkpoints there at once (set TMPDIR to a roomier disk)"), stacklevel=2)
 
 
 @pytest.fixture
