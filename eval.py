@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if is_main:
         print(format_table(record["classes"], metrics))
         if args.output:
-            from engine.checkpoint import write_atomically
+            from engine.files import write_atomically
 
             output, text = Path(args.output), (json.dumps(record, indent=2) + "\n").encode()
             try:  # atomically: an earlier report at that path stays whole if this one cannot be written

@@ -6,7 +6,7 @@ state dict), `config` (engine.config_io.to_dict), `classes`, `iteration`, `epoch
 `overrides`). best.pt is the file people keep and share: `WEIGHTS_KEYS` plus the validation
 `metrics` that made it the best, no optimizer state (a third of last.pt with AdamW, whose two
 moments are each as large as the weights). It loads with `weights_only=True`, so no pickled classes.
-Files are written atomically: a temporary file in the same folder, fsync, then os.replace, so an
+Files are written atomically (engine.files: a temporary file in the same folder, fsync, os.replace), so an
 existing checkpoint is either the old one or the new one, never half-written; they get the mode a
 plain `open()` would give (0644 under umask 022), so teammates on a shared cluster can read them.
 A `.safetensors` file written by `scripts/export.py --format safetensors` loads here too.
@@ -19,12 +19,9 @@ segmentation weights, the classifier skipped when the class count differs.
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import logging
-import os
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ from torch import nn
 
 from engine.config import Config
 from engine.config_io import from_dict, inference_config
+from engine.files import write_atomically
 from model.builder import LoadedWeights, build_model, load_segmentation_weights, state_dict_problems
 
 logger = logging.getLogger(__name__)
@@ -48,8 +46,6 @@ WEIGHTS_KEYS = REQUIRED_KEYS + ("iteration", "epoch", "best_miou", "run_id")
 SAFETENSORS_SUFFIX = ".safetensors"
 # .safetensors metadata entries (each a JSON string) that become payload keys
 SAFETENSORS_METADATA = ("format_version", "config", "classes", "iteration", "best_miou", "metrics", "run_id")
-
-TEMPORARY_SUFFIX = ".tmp"  # save_checkpoint writes .<name>.<random>.tmp beside <name>, then renames it
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.Size, torch.dtype, torch.device)
 
@@ -81,109 +77,6 @@ def weights_payload(payload: Mapping[str, Any], *, metrics: Mapping[str, Any] | 
     if metrics is not None:
         small["metrics"] = dict(metrics)
     return small
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it where Linux reports it (/proc/self/status), else by
-    setting and restoring it (a brief window in which another thread's new file could get mode 0666)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-class _WriteErrorRecorder(io.BufferedIOBase):
-    """The file object a serializer writes through, keeping the first OSError a write raised. An
-    io.BufferedIOBase that can seek, as torch.export.save requires of a buffer; closing it leaves the
-    file open."""
-
-    def __init__(self, file: Any) -> None:
-        super().__init__()
-        self._file = file
-        self.error: OSError | None = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        try:
-            return self._file.write(data)
-        except OSError as error:
-            if self.error is None:
-                self.error = error
-            raise
-
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-
-    def seekable(self) -> bool:
-        return self._file.seekable()
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        return self._file.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._file.tell()
-
-
-def write_atomically(path: str | Path, write: Callable[[Any], None], *, what: str = "checkpoint",
-                     durable: bool = True) -> None:
-    """Create `path` through `write(file)`, atomically: `write` fills a temporary file in the same folder
-    (a seekable binary file object), which is fsynced and renamed over `path`, so `path` is
-    either its old content or the complete new one. The file gets mode 0666 & ~umask like any file the
-    user creates (mkstemp's own 0600 would hide it from teammates). Creates the parent folder.
-    `durable=False` skips the fsyncs (outputs written by the thousand, such as prediction images: still
-    never half-written, but a power cut may lose them).
-
-    Any failure removes the temporary file. An OSError (a full disk, a quota, a read-only folder) becomes
-    one naming `what` and `path` and saying the previous file is unchanged, also when the serializer hid
-    it: torch's zip writer swallows the OSError of a failed write and raises "[enforce fail at
-    inline_container.cc] unexpected pos ..." instead.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
-    try:
-        os.fchmod(handle, 0o666 & ~current_umask())
-        with os.fdopen(handle, "wb") as file:
-            writer = _WriteErrorRecorder(file)
-            try:
-                write(writer)
-            except Exception as error:
-                if writer.error is None or isinstance(error, OSError):
-                    raise
-                raise writer.error from error
-            file.flush()
-            if durable:
-                os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
-        if isinstance(error, OSError) and error.errno is not None:  # not io.UnsupportedOperation, a bug
-            raise OSError(error.errno, f"could not write {what} '{path}': {error.strerror or error}; "
-                          "the previous file there (if any) is unchanged") from None
-        raise
-    if not durable:
-        return
-    try:  # make the rename itself durable; not possible on every platform / filesystem
-        directory = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory)
-    except OSError:
-        pass
-    finally:
-        os.close(directory)
 
 
 def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 
 from engine.config import CONFIG_DIR, SECTIONS, Config, SquareIfOne, all_keys, field_types, validate
+from engine.files import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +298,5 @@ def config_yaml(config: Config, *, header: str = "") -> str:
 
 def save_config(config: Config, path: str | Path) -> None:
     """Write config.yaml atomically: a resume rewrites it, and a full disk must not leave it empty."""
-    from engine.checkpoint import write_atomically  # engine.checkpoint imports this module
-
     text = config_yaml(config).encode()
     write_atomically(path, lambda file: file.write(text), what="config")

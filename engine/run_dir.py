@@ -27,10 +27,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engine.checkpoint import RESUME_KEYS, TEMPORARY_SUFFIX, load_checkpoint, peek_checkpoint
+from engine.checkpoint import RESUME_KEYS, load_checkpoint, peek_checkpoint
 from engine.config import Config, DistConfig
 from engine.config_io import build_config, from_dict, load_config, parse_overrides, to_dict
 from engine.distributed import DistInfo, broadcast_object, is_dist
+from engine.files import TEMPORARY_SUFFIX
 
 logger = logging.getLogger(__name__)
 

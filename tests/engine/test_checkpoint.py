@@ -176,7 +176,8 @@ def test_load_inference_model_rebuilds_the_model_with_its_weights_in_eval_mode(t
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
-    from engine.checkpoint import current_umask, save_safetensors
+    from engine.checkpoint import save_safetensors
+    from engine.files import current_umask
 
     previous = os.umask(umask)
     try:
