@@ -54,7 +54,7 @@ class MetricsLog:
         if not enabled:
             return
         if resume_iteration is None:
-            self._write_metrics(lambda file: None)
+            write_atomically(self.path, lambda file: None, what="metrics log")
         elif self.path.is_file():
             kept = []
             for number, line in enumerate(self.path.read_text().splitlines(), 1):
@@ -66,11 +66,8 @@ class MetricsLog:
                 if record is not None and record.get("iteration", 0) <= resume_iteration:
                     kept.append(line)
             text = "".join(line + "\n" for line in kept).encode()
-            self._write_metrics(lambda file: file.write(text))
+            write_atomically(self.path, lambda file: file.write(text), what="metrics log")
         self._open()
-
-    def _write_metrics(self, write: Any) -> None:
-        write_atomically(self.path, write, what="metrics log")
 
     def _open(self) -> Any:
         if self.writer is None:

@@ -149,8 +149,7 @@ def run(args: argparse.Namespace) -> int:
             if logits.shape[-2:] != (height, width):
                 logits = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)
         labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()
-        target = output / stem
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target = output / stem  # save_png creates the folders
         save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
         save_png(overlay(image, labels, palette, alpha=args.alpha, uncoloured=uncoloured),
                  target.with_name(f"{target.name}_overlay.png"))
@@ -159,7 +158,6 @@ def run(args: argparse.Namespace) -> int:
     if len(large) > 1:
         logger.warning("%d of %d images were that large (see the warning above)", len(large), len(images))
     if args.legend:
-        output.mkdir(parents=True, exist_ok=True)
         save_png(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4))), output / "legend.png")
     return len(images)
 
