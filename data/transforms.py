@@ -97,8 +97,8 @@ class RandomScaleCrop(DualTransform):
         out = np.empty((crop_height, crop_width) + array.shape[2:], dtype=array.dtype)
         out[:piece_h, :piece_w] = piece
         if (piece_h, piece_w) != (visible_h, visible_w):  # rounding left a sliver: repeat the edge
-            out[piece_h:visible_h, :piece_w] = out[max(piece_h - 1, 0), :piece_w]
-            out[:visible_h, piece_w:visible_w] = out[:visible_h, max(piece_w - 1, 0), None]
+            out[piece_h:visible_h, :piece_w] = out[piece_h - 1, :piece_w]  # piece_h, piece_w >= 1 here
+            out[:visible_h, piece_w:visible_w] = out[:visible_h, piece_w - 1, None]
         out[visible_h:] = fill
         out[:visible_h, visible_w:] = fill
         return out

@@ -80,6 +80,13 @@ class MetricsLog:
         return self.writer
 
     @contextlib.contextmanager
+    def _events(self) -> Iterator[Any]:
+        """The TensorBoard writer, its errors naming the event folder."""
+        writer = self._open()
+        with self._naming_events_dir():
+            yield writer
+
+    @contextlib.contextmanager
     def _naming_events_dir(self) -> Iterator[None]:
         """An OSError of TensorBoard's writer (raised here or handed over from its thread) as one naming
         the folder of the event files."""
@@ -109,8 +116,7 @@ class MetricsLog:
                 file.write(line)
         except OSError as error:
             raise OSError(error.errno, f"could not append to '{self.path}': {error.strerror or error}") from None
-        writer = self._open()
-        with self._naming_events_dir():
+        with self._events() as writer:
             for key, value in flat_numbers(record):
                 if f"{prefix}/{key}" not in NOT_PLOTTED:
                     writer.add_scalar(f"{prefix}/{key}", value, step)
@@ -122,14 +128,12 @@ class MetricsLog:
         record["iou"] = {name: value for name, value in zip(classes, metrics["iou"]) if value is not None}
         self.scalars(record, step=step, prefix="val")
         if self.enabled:
-            writer = self._open()
-            with self._naming_events_dir():
+            with self._events() as writer:
                 writer.add_text("val/summary", validation_markdown(metrics, classes=classes, step=step), step)
 
     def image(self, tag: str, image: np.ndarray, *, step: int) -> None:
         if self.enabled:
-            writer = self._open()
-            with self._naming_events_dir():
+            with self._events() as writer:
                 writer.add_image(tag, image, step, dataformats="HWC")
 
     def flush(self) -> None:
