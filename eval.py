@@ -12,6 +12,7 @@ checkpoint whose classes or architecture do not match the config) exit with stat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scales", help="comma-separated test scales, e.g. 0.5,0.75,1.0,1.25,1.5,1.75")
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                         help="also predict the horizontally flipped image and average the logits")
-    parser.add_argument("--amp", help="autocast for inference: off, fp16 or bf16 (default: the checkpoint's "
+    parser.add_argument("--amp", help="autocast for inference: auto, off, fp16 or bf16 (default: the checkpoint's "
                                       "eval.amp, which training's validation also uses, so both report the "
                                       "same numbers)")
     parser.add_argument("--save-predictions", metavar="DIR",
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     from data import build_dataset
     from engine.checkpoint import load_inference_model
     from engine.distributed import inference_device
+    from engine.precision import log_precision
     from engine.evaluate import evaluate
     from engine.samplers import build_eval_loader
 
@@ -149,7 +151,8 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     on_batch = None
     if args.save_predictions:
         on_batch = _prediction_saver(Path(args.save_predictions), loader, dataset, config)
-    eval_cfg = config.eval
+    # what eval.amp (auto by default) runs as on this device: the report states that, not "auto"
+    eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
     if is_main:
         logger.info("evaluating %s (iteration %s) on %s/%s: %d images, mode=%s%s, scales=%s, flip=%s, amp=%s, "
                     "device %s", args.checkpoint, loaded.iteration, config.data.dataset, split, len(dataset),

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from data.transforms import normalize_batch
     from engine.config_io import load_config
-    from engine.distributed import autocast_for, setup_distributed
+    from engine.distributed import setup_distributed
+    from engine.precision import autocast_for
     from engine.samplers import train_batches
     from engine.trainer import Trainer
 

@@ -18,7 +18,9 @@ from model.timm_encoder import TIMM_PREFIX
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-Precision = Literal["off", "fp16", "bf16"]  # autocast for training (train.amp) and inference (eval.amp)
+# autocast for training (train.amp) and inference (eval.amp); auto: by the device's capability
+# (engine.distributed.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32)
+Precision = Literal["auto", "off", "fp16", "bf16"]
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class TrainConfig:
     head_lr_mult: float = _limited(10.0, _NON_NEGATIVE)
     warmup_iters: int = _limited(0, _NON_NEGATIVE)
     poly_power: float = _limited(0.9, _NON_NEGATIVE)
-    amp: Precision = "off"
+    amp: Precision = "auto"
     compile: bool = False  # torch.compile the model for training (one process per device; see README)
     aux_weight: float = _limited(0.4, _NON_NEGATIVE)
     class_weights: tuple[float, ...] = _limited((), _NON_NEGATIVE)  # () = unweighted cross-entropy
@@ -141,7 +143,7 @@ class EvalConfig:
     flip: bool = False
     batch_size: int = _limited(1, _POSITIVE)
     window_batch: int = _limited(8, _POSITIVE)  # slide: images (windows) per forward pass, flips included
-    amp: Precision = "off"  # autocast for validation, eval.py and predict.py
+    amp: Precision = "auto"  # autocast for validation, eval.py and predict.py
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,15 @@
 `setup_distributed(gpus)` decides the training topology once, from the `--gpus` value and the torchrun
 environment (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`), and returns a `DistInfo`. The rest of the engine
 asks `DistInfo` (or the helpers below, which read torch.distributed) instead of the environment.
-`inference_device(name)` is the one parser of `--device` for eval.py and predict.py, and
-`autocast_for(device, precision)` the one table from `train.amp` / `eval.amp` to autocast.
+`inference_device(name)` is the one parser of `--device` for eval.py and predict.py. Precision (train.amp,
+eval.amp) is engine.precision's.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import gc
+import inspect
 import logging
 import os
 import re
@@ -25,7 +26,6 @@ from model.sync_batchnorm import DataParallelWithCallback
 
 logger = logging.getLogger(__name__)
 
-_AUTOCAST_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}  # engine.config.Precision
 
 
 @dataclass(frozen=True)
@@ -218,9 +218,9 @@ def _single_process(gpus: str | None) -> DistInfo:
     if gpus is not None and gpus.strip().lower() == "cpu":
         return DistInfo()
     if gpus is None:
-        if torch.cuda.is_available():
-            return DistInfo(device=torch.device("cuda", 0), mode="dp", device_ids=(0,))
-        return DistInfo()
+        if not torch.cuda.is_available():
+            return DistInfo()
+        gpus = "0"
     ids = parse_gpus(gpus)
     if not torch.cuda.is_available():
         raise ValueError(f"--gpus {gpus}: no CUDA device is available on this machine; omit --gpus to train on CPU")
@@ -231,7 +231,11 @@ def _single_process(gpus: str | None) -> DistInfo:
             f"--gpus {gpus}: GPU id(s) {', '.join(map(str, missing))} do not exist; "
             f"this machine has {count} GPU(s): ids 0..{count - 1}"
         )
-    return DistInfo(device=torch.device("cuda", ids[0]), mode="dp", device_ids=ids)
+    device = torch.device("cuda", ids[0])
+    # the current device before anything touches CUDA: otherwise the pin-memory thread, the GradScaler and
+    # every tensor made without a device open a context on GPU 0, which --gpus 2,3 did not ask for
+    torch.cuda.set_device(device)
+    return DistInfo(device=device, mode="dp", device_ids=ids)
 
 
 def wrap_for_training(model: nn.Module, dist_info: DistInfo) -> nn.Module:
@@ -244,11 +248,25 @@ def wrap_for_training(model: nn.Module, dist_info: DistInfo) -> nn.Module:
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
         # buffers are not broadcast from rank 0 before each forward: synchronized BN keeps them equal, and
         # with plain BN each process keeps its own statistics
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False,
-                                                   gradient_as_bucket_view=True)
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                                   **no_buffer_sync_option(nn.parallel.DistributedDataParallel))
     if dist_info.num_replicas > 1:
         return DataParallelWithCallback(model, device_ids=list(dist_info.device_ids))
     return model
+
+
+def no_buffer_sync_option(ddp_class: type) -> dict[str, bool]:
+    """The keyword that turns off DDP's buffer broadcast before each forward, by `ddp_class`'s signature:
+    `forward_sync_buffers=False` where it exists (torch 2.14 renamed it, warning about the old name),
+    `broadcast_buffers=False` in older releases (torch 2.11 has only that one). ValueError if neither.
+    The old keyword also skips the one copy of rank 0's buffers when DDP is built; every rank builds the
+    model from the same seed or checkpoint, so the buffers are equal either way."""
+    parameters = inspect.signature(ddp_class.__init__).parameters
+    for name in ("forward_sync_buffers", "broadcast_buffers"):
+        if name in parameters:
+            return {name: False}
+    raise ValueError(f"{ddp_class.__name__} takes neither forward_sync_buffers nor broadcast_buffers; "
+                     f"torch {torch.__version__} is outside the supported range (see requirements.txt)")
 
 
 def compile_for_training(model: nn.Module, dist_info: DistInfo, *, enabled: bool) -> nn.Module:
@@ -282,20 +300,15 @@ def inference_device(name: str | None, dist_info: DistInfo | None = None) -> tor
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device.index is None:
+            # plain "cuda" is the current device; set_device rejects a device without an index
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         torch.cuda.set_device(device)
     elif device.type != "cpu":
         raise ValueError(f"--device {name!r}: expected cpu, cuda or cuda:N")
     return device
-
-
-def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The autocast context for `precision` (off | fp16 | bf16) on `device`."""
-    dtype = _AUTOCAST_DTYPES[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 _COMMUNICATION_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset", "timed out",

@@ -23,7 +23,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.transforms import height_width, normalize_batch
-from engine.distributed import all_reduce_sum, autocast_for, get_rank
+from engine.distributed import all_reduce_sum, get_rank
+from engine.precision import autocast_for
 from engine.inference import predict
 from engine.metrics import ConfusionMatrix
 

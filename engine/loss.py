@@ -54,14 +54,14 @@ class SegmentationLoss(nn.Module):
 
     def head_terms(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, weight sum) for logits N x C x H x W (any float dtype) and target N x H x W."""
-        logits = logits.float()
+        logits = logits if logits.dtype == torch.float64 else logits.float()  # float64 for numeric checks
         num_classes = logits.shape[1]
         weights = self.class_weights
         if weights is not None:
             if weights.numel() != num_classes:
                 raise ValueError(f"train.class_weights has {weights.numel()} values but the model predicts "
                                  f"{num_classes} classes")
-            weights = weights.to(logits.device)
+            weights = weights.to(logits.device, logits.dtype)
         valid = target != self.ignore_index
         safe_target = torch.where(valid, target, torch.zeros_like(target))
         if target.device.type == "cpu":  # on CUDA this check would synchronize every step

@@ -35,18 +35,11 @@ from engine.checkpoint import (
 )
 from engine.config import Config
 from engine.config_io import from_dict, save_config, to_dict
-from engine.distributed import (
-    DistInfo,
-    all_reduce_sum,
-    autocast_for,
-    barrier,
-    compile_for_training,
-    is_dist,
-    wrap_for_training,
-)
+from engine.distributed import DistInfo, all_reduce_sum, barrier, compile_for_training, is_dist, wrap_for_training
 from engine.evaluate import check_batching, evaluate
 from engine.loss import build_loss
 from engine.optim import PolyWarmupLR, build_optimizer
+from engine.precision import autocast_for, log_precision
 from engine.run_log import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
 from engine.samplers import (
     ResumableBatchSampler,
@@ -116,7 +109,9 @@ class Trainer:
         self.optimizer = build_optimizer(groups, train_cfg)
         self.scheduler = PolyWarmupLR(self.optimizer, total_iters=train_cfg.iters, power=train_cfg.poly_power,
                                       warmup_iters=train_cfg.warmup_iters)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=train_cfg.amp == "fp16")
+        self.precision = log_precision("train.amp", train_cfg.amp, self.device)  # off | fp16 | bf16: what runs
+        log_precision("eval.amp", config.eval.amp, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.criterion = build_loss(train_cfg, ignore_index=self.ignore_index).to(self.device)
         self.iteration, self.best_miou, self.best_metrics = 0, -1.0, None  # best_metrics: best.pt's validation
         if resume is not None:
@@ -186,7 +181,7 @@ class Trainer:
         sync = self.dist.describe_batch_norm(synchronized=synchronizes_statistics(self.config.model.norm))
         batches = describe_batches(self.config.train.batch_size, accumulate=self.config.train.accumulate,
                                    num_replicas=self.dist.num_replicas, batch_norm=sync)
-        logger.info("%s; %s; amp=%s", self.dist.describe(), batches, self.config.train.amp)
+        logger.info("%s; %s", self.dist.describe(), batches)
         logger.info("%d training / %d validation images, %d classes, %d batches per epoch; run dir %s",
                     len(self.train_set), len(self.val_set), self.num_classes, self.sampler.batches_per_epoch,
                     self.run_dir)
@@ -270,7 +265,7 @@ class Trainer:
                 inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
                 if self.config.model.channels_last:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
-                with autocast_for(self.device, self.config.train.amp):
+                with autocast_for(self.device, self.precision):
                     outputs = self.forward_model(inputs)
                 loss = self.criterion(outputs, masks, step_weight=normalizer)
                 # DDP averages gradients over processes; scaling by the world size makes that the sum of the
@@ -286,7 +281,8 @@ class Trainer:
         """Move the pending per-step losses (summed over processes) into result.losses."""
         if not self._pending_losses:
             return
-        values = torch.stack([loss for _, loss in self._pending_losses]).float()
+        values = torch.stack([loss for _, loss in self._pending_losses])
+        values = values if values.dtype == torch.float64 else values.float()
         all_reduce_sum(values)
         for (iteration, _), value in zip(self._pending_losses, values.cpu().tolist()):
             if not math.isfinite(value):

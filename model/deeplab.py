@@ -11,7 +11,7 @@ from torch.nn import functional as F
 class DeepLab(nn.Module):
     """A DeepLabV3 / V3+ segmentation network.
 
-    `forward(x)` takes a normalized float tensor N x 3 x H x W and returns {"out": logits N x C x H x W}
+    `forward(x)` takes a normalized float tensor N x 3 x H x W (cast to the model's dtype) and returns {"out": logits N x C x H x W}
     plus "aux" (same shape) when an aux classifier is present; logits are upsampled bilinearly
     (align_corners=False) to the input's H x W, whatever the output stride. Attribute names
     (`backbone`, `classifier`, `aux_classifier`) equal torchvision's DeepLabV3, so for the deeplabv3
@@ -37,6 +37,9 @@ class DeepLab(nn.Module):
     def forward(self, x: Tensor) -> dict[str, Tensor]:
         if x.dim() != 4:
             raise ValueError(f"DeepLab expects a batch N x 3 x H x W, got a tensor of shape {tuple(x.shape)}")
+        dtype = next(self.classifier.parameters()).dtype
+        if x.dtype != dtype and x.is_floating_point():  # a float64 model (numeric checks) takes float32 inputs
+            x = x.to(dtype)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         size = x.shape[-2:]

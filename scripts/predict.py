@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scales", help="comma-separated test scales (default: the checkpoint's eval.scales)")
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                         help="also predict the mirrored image and average (default: the checkpoint's eval.flip)")
-    parser.add_argument("--amp", help="autocast: off, fp16 or bf16 (default: the checkpoint's eval.amp)")
+    parser.add_argument("--amp", help="autocast: auto, off, fp16 or bf16 (default: the checkpoint's eval.amp)")
     parser.add_argument("--alpha", type=float, default=0.5,
                         help="overlay opacity of the class colors, 0..1 (background pixels stay untouched)")
     parser.add_argument("--legend", action="store_true", help="also write <output>/legend.png: each class color "
@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     from data.base import read_image
     from data.transforms import normalize_batch
     from engine.checkpoint import load_inference_model
-    from engine.distributed import autocast_for, inference_device
+    from engine.distributed import inference_device
+    from engine.precision import autocast_for, log_precision
     from engine.inference import predict
     from engine.visualize import background_indices, legend_image, overlay, save_png
 
@@ -119,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     config, classes, model = loaded.config, loaded.classes, loaded.model
     palette = np.asarray(palette_for(config.data.dataset, len(classes)), dtype=np.uint8)
     eval_cfg, base_size = config.eval, config.data.base_size
+    precision = log_precision("eval.amp", eval_cfg.amp, device)
     uncoloured = background_indices(classes)
     output = Path(args.output)
     large = []
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             scale = base_size / max(height, width)
             size = (max(1, round(height * scale)), max(1, round(width * scale)))
             inputs = F.interpolate(inputs, size=size, mode="bilinear", align_corners=False)
-        with torch.inference_mode(), autocast_for(device, eval_cfg.amp):
+        with torch.inference_mode(), autocast_for(device, precision):
             logits = predict(model, inputs, num_classes=len(classes), mode=eval_cfg.mode,
                              window_size=eval_cfg.window_size, stride=eval_cfg.stride, scales=eval_cfg.scales,
                              flip=eval_cfg.flip, window_batch=eval_cfg.window_batch)

@@ -121,7 +121,7 @@ def test_group_signal_with_workers_saves_exits_128_plus_signum_and_resumes_exact
     process, stderr, seconds = _stop_with_group_signal(_train_command(run_dir, "data.num_workers=2"), run_dir, signum)
     assert process.returncode == 128 + signum, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
-    stopped = torch.load(run_dir / "last.pt", weights_only=True)["iteration"]
+    stopped = torch.load(run_dir / "last.pt", map_location="cpu", weights_only=True)["iteration"]
     assert stopped == max(_losses(run_dir)) < ITERS
     line = next(line for line in stderr.splitlines() if "continue with:" in line)
     assert f"stopped by {signal.Signals(signum).name} at iteration {stopped}" in line
@@ -141,7 +141,7 @@ def test_group_sigterm_under_torchrun_saves_and_the_next_launch_resumes_by_itsel
     # torchrun itself reports its own SIGTERM with a traceback and exit 1; the workers exit 143
     assert process.returncode != 0
     _no_traceback_of_ours(stderr)
-    stopped = torch.load(run_dir / "last.pt", weights_only=True)["iteration"]
+    stopped = torch.load(run_dir / "last.pt", map_location="cpu", weights_only=True)["iteration"]
     assert stopped == max(_losses(run_dir)) < ITERS
     assert f"stopped by SIGTERM at iteration {stopped}" in stderr and "-m torch.distributed.run" in stderr
     resumed = _run(command)  # no --resume: under torchelastic the run dir's last.pt is resumed
@@ -173,7 +173,7 @@ def test_a_killed_worker_restarts_and_resumes_from_the_last_checkpoint(tmp_path,
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, stderr[-4000:]
-    assert torch.load(run_dir / "last.pt", weights_only=True)["iteration"] == ITERS
+    assert torch.load(run_dir / "last.pt", map_location="cpu", weights_only=True)["iteration"] == ITERS
     resumed_at = re.search(r"resuming \S+ at iteration (\d+)", stderr)
     assert resumed_at and int(resumed_at.group(1)) == 8, stderr[-4000:]
     _assert_same_losses(_losses(run_dir), straight["two"])

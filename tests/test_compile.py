@@ -35,7 +35,7 @@ def test_compiled_training_gives_the_eager_losses(tmp_path):
     assert len(set(eager.values())) > 1
 
 
-def test_thread_replicas_cannot_be_compiled():
+def test_thread_replicas_cannot_be_compiled(no_accelerator):
     from model.sync_batchnorm import DataParallelWithCallback
 
     replicas = DataParallelWithCallback(nn.Linear(2, 2), device_ids=[])

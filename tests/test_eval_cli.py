@@ -135,7 +135,7 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     (["no.such_key=1"], "unknown config key"),
     (["--mode", "slide", "eval.window_size=32", "eval.stride=40"], "eval.stride=40,40 > eval.window_size=32,32"),
     (["--mode", "tiles"], "eval.mode='tiles' is not one of whole, slide"),
-    (["--amp", "fp8"], "eval.amp='fp8' is not one of off, fp16, bf16"),
+    (["--amp", "fp8"], "eval.amp='fp8' is not one of auto, off, fp16, bf16"),
     (["--device", "tpu"], "--device 'tpu'"),
     (["--split", "nonexistent", "data.dataset=voc", "data.root=/nonexistent/voc"], "/nonexistent/voc"),
 ])
@@ -234,13 +234,14 @@ def test_ade20k_predictions_are_saved_as_raw_labels_1_to_150_and_score_like_nump
 @pytest.mark.slow
 def test_eval_reproduces_training_validation(tmp_path, capsys):
     """train.py's validation at the last iteration and eval.py on that checkpoint report the same numbers
-    (demo config: channels_last, bf16: both evaluate under the checkpoint's eval.amp)."""
+    (demo config: channels_last; eval.amp=bf16: both evaluate under the checkpoint's eval.amp)."""
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--config", "demo", "--gpus", "cpu", f"output_dir={run_dir}",
          "train.iters=2", "train.val_interval=2", "train.ckpt_interval=2", "train.batch_size=2",
          "train.num_vis_images=0", "data.synthetic_image_size=48", "data.crop_size=48",
-         "data.synthetic_train_size=4", "data.synthetic_val_size=3", "data.num_workers=0", "model.head_channels=8"],
+         "data.synthetic_train_size=4", "data.synthetic_val_size=3", "data.num_workers=0", "model.head_channels=8",
+         "eval.amp=bf16"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -109,7 +109,7 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train(*common, f"output_dir={straight}")
     run_train(*common, f"output_dir={split}", "--stop-at", "3")
-    assert torch.load(split / "last.pt", weights_only=True)["iteration"] == 3
+    assert torch.load(split / "last.pt", map_location="cpu", weights_only=True)["iteration"] == 3
     # a different worker count after the resume: augmentation is seeded per sample, not per worker
     run_train(*common, f"output_dir={split}", "--resume", "auto", "data.num_workers=1")
 
@@ -121,7 +121,7 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
 
     # a larger train.iters extends the finished run
     run_train("--config", "demo.yaml", f"output_dir={split}", "--resume", "auto", "train.iters=10")
-    assert torch.load(split / "last.pt", weights_only=True)["iteration"] == 10
+    assert torch.load(split / "last.pt", map_location="cpu", weights_only=True)["iteration"] == 10
     assert sorted(train_losses(split)) == list(range(1, 11))
 
 
@@ -144,7 +144,7 @@ def test_non_finite_loss_stops_with_iteration_and_keeps_last_checkpoint(tmp_path
     monkeypatch.setattr(trainer.criterion, "head_terms", poisoned)
     with pytest.raises(FloatingPointError, match="iteration 4"):
         trainer.fit()
-    checkpoint = torch.load(run_dir / "last.pt", weights_only=True)
+    checkpoint = torch.load(run_dir / "last.pt", map_location="cpu", weights_only=True)
     assert checkpoint["iteration"] == 3
     assert all(torch.isfinite(v).all() for v in checkpoint["model"].values() if v.is_floating_point())
 
@@ -176,7 +176,7 @@ def test_init_checkpoint_fine_tunes_with_a_new_class_count(tmp_path, caplog):
     source = tmp_path / "source"
     config = load_config("demo.yaml", [f"output_dir={source}", *TINY, "train.iters=1", "train.val_interval=100"])
     Trainer(config, DistInfo(), progress=False).fit()
-    saved = torch.load(source / "last.pt", weights_only=True)["model"]
+    saved = torch.load(source / "last.pt", map_location="cpu", weights_only=True)["model"]
 
     config = load_config("demo.yaml", [f"output_dir={tmp_path / 'tuned'}", *TINY, "train.iters=1",
                                        f"model.init_checkpoint={source / 'last.pt'}", "data.num_classes=4"])

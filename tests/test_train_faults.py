@@ -31,7 +31,7 @@ def _train(*args: str, capsys) -> tuple[int, list[str]]:
 
 
 def _finite(path) -> bool:
-    state = torch.load(path, weights_only=True)["model"]
+    state = torch.load(path, map_location="cpu", weights_only=True)["model"]
     return all(torch.isfinite(tensor).all() for tensor in state.values() if tensor.is_floating_point())
 
 

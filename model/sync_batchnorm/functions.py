@@ -160,7 +160,8 @@ def _fused_input_gradient(x: torch.Tensor, grad_output: torch.Tensor, mean: torc
     (torch.batch_norm_backward_elemt, the kernel torch.nn.SyncBatchNorm uses), instead of an affine map
     of x plus a multiply-add with dy (two passes over the activation)."""
     total = count.reshape(1) if isinstance(count, torch.Tensor) else torch.full((1,), count, device=x.device)
-    if not (grad_output.is_contiguous() or grad_output.is_contiguous(memory_format=torch.channels_last)):
+    if not any(grad_output.is_contiguous(memory_format=layout)
+               for layout in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)):
         grad_output = grad_output.contiguous()
     return torch.batch_norm_backward_elemt(grad_output, x, mean, invstd, weight, sum_dy, sum_dy_xhat / invstd,
                                            total.round().to(torch.int32))

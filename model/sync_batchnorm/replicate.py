@@ -11,8 +11,10 @@ synchronization rounds of every synchronized layer, so the other replicas raise 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Sequence
 
+import torch
 from torch import nn
 from torch.nn.parallel import DataParallel
 from torch.nn.parallel.parallel_apply import parallel_apply
@@ -59,23 +61,46 @@ def abort_synchronization(master_copy: nn.Module, cause: BaseException) -> None:
             master.abort(cause)
 
 
-class AbortingReplica:
-    """Callable wrapper around a replica: if its forward raises, abort every sync round first."""
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype, bool]:
+    """(device type, enabled, dtype, cache enabled) of this thread's autocast for `device_type`."""
+    return (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled())
 
-    def __init__(self, replica: nn.Module, master_copy: nn.Module) -> None:
+
+class AbortingReplica:
+    """Callable wrapper around a replica: if its forward raises, abort every sync round first.
+
+    `autocast`: the caller's autocast state (`_autocast_state`), re-entered in the replica's thread.
+    Autocast is thread-local, and torch's parallel_apply re-enters it in each thread with `enabled=` but
+    not the dtype, so bf16 autocast silently became the device's default, fp16, in every replica.
+    """
+
+    def __init__(self, replica: nn.Module, master_copy: nn.Module, *,
+                 autocast: tuple[str, bool, torch.dtype, bool] | None = None) -> None:
         self.replica = replica
         self.master_copy = master_copy
+        self.autocast = autocast
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
+            if self.autocast is not None and self.autocast[1]:
+                device_type, _, dtype, cache_enabled = self.autocast
+                with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):
+                    return self.replica(*args, **kwargs)
             return self.replica(*args, **kwargs)
         except BaseException as error:
             abort_synchronization(self.master_copy, error)
             raise
 
 
+def _device_type(module: nn.Module) -> str:
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return tensor.device.type if tensor is not None else "cuda"
+
+
 def _guarded_parallel_apply(replicas: Sequence[nn.Module], inputs, kwargs, device_ids) -> list:
-    guarded = [AbortingReplica(replica, replicas[0]) for replica in replicas]
+    state = _autocast_state(_device_type(replicas[0])) if replicas else None
+    guarded = [AbortingReplica(replica, replicas[0], autocast=state) for replica in replicas]
     return parallel_apply(guarded, inputs, kwargs, device_ids)
 
 

@@ -2,6 +2,7 @@
 step, the same schedule and exact resume; under DDP one gradient all-reduce per optimizer step."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 from pathlib import Path
@@ -19,6 +20,7 @@ from engine.config_io import load_config
 from engine.distributed import DistInfo
 from engine.loss import SegmentationLoss
 from engine.trainer import Trainer
+from tests.float64 import trainers_in_float64
 
 # 32 px crops of 24-40 px images: the crops carry different amounts of ignore padding, so a micro-batch
 # normalized by its own pixels (instead of the step's) gives a visibly different gradient
@@ -31,9 +33,12 @@ TINY = [
 ]
 
 
-def _trainer(tmp_path: Path, name: str, *overrides: str, dist_info: DistInfo | None = None) -> Trainer:
+def _trainer(tmp_path: Path, name: str, *overrides: str, dist_info: DistInfo | None = None,
+             float64: bool = False) -> Trainer:
+    """float64 for comparisons between splits of a batch (tests/float64.py)."""
     config = load_config("demo.yaml", [f"output_dir={tmp_path / name}", *TINY, *overrides])
-    trainer = Trainer(config, dist_info or DistInfo(), progress=False)
+    with trainers_in_float64() if float64 else contextlib.nullcontext():
+        trainer = Trainer(config, dist_info or DistInfo(), progress=False)
     for module in trainer.model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0  # dropout masks depend on how the batch is split
@@ -58,12 +63,14 @@ def _assert_same_gradients(actual: dict, expected: dict, *, atol: float = 1e-6) 
     for name, gradient in expected.items():
         torch.testing.assert_close(actual[name], gradient, atol=atol, rtol=0, msg=name)
     assert max(float(g.abs().max()) for g in expected.values()) > 1e-3  # not vacuous
+    assert all(g.dtype == torch.float64 for g in expected.values())  # float64: see tests/float64.py
 
 
 @pytest.mark.parametrize("extra", [(), ("train.class_weights=0.5,1,2,1,1,3",)], ids=["plain", "class_weights"])
 def test_batch_8x1_and_4x2_give_the_same_gradients_with_norm_layers_in_eval_mode(tmp_path, monkeypatch, extra):
-    whole, whole_loss, whole_masks = _first_step_gradients(_trainer(tmp_path, "whole", *extra))
-    split, split_loss, split_masks = _first_step_gradients(_trainer(tmp_path, "split", "train.accumulate=2", *extra))
+    whole, whole_loss, whole_masks = _first_step_gradients(_trainer(tmp_path, "whole", *extra, float64=True))
+    split, split_loss, split_masks = _first_step_gradients(_trainer(tmp_path, "split", "train.accumulate=2", *extra,
+                                                                    float64=True))
     assert torch.equal(split_masks, whole_masks)  # the two micro-batches are the global batch, in order
     counts = [int((masks != 255).sum()) for masks in split_masks.split(4)]
     assert counts[0] != counts[1]  # the micro-batches weigh differently, so the normalizer matters
@@ -72,7 +79,7 @@ def test_batch_8x1_and_4x2_give_the_same_gradients_with_norm_layers_in_eval_mode
 
     # control: normalizing each micro-batch by its own pixels (a plain mean per micro-batch) is wrong
     monkeypatch.setattr("engine.trainer.step_normalizer", lambda criterion, masks: None)
-    naive, _, _ = _first_step_gradients(_trainer(tmp_path, "naive", "train.accumulate=2", *extra))
+    naive, _, _ = _first_step_gradients(_trainer(tmp_path, "naive", "train.accumulate=2", *extra, float64=True))
     assert max(float((naive[k] - whole[k]).abs().max()) for k in whole) > 1e-4
 
 
@@ -152,7 +159,7 @@ def _ddp_worker(rank: int, port: int, tmp_path: Path) -> None:
             trainer.close()
             del trainer
         # the gradient of one accumulated step under DDP, every norm layer in eval mode
-        trainer = _trainer(tmp_path, "ddp_gradients", "train.accumulate=2", dist_info=info)
+        trainer = _trainer(tmp_path, "ddp_gradients", "train.accumulate=2", dist_info=info, float64=True)
         gradients, loss, masks = _first_step_gradients(trainer)
         del trainer
         if rank == 0:
@@ -187,5 +194,5 @@ def test_two_rank_ddp_all_reduces_gradients_once_per_optimizer_step_and_matches_
     assert [reduces for _, reduces in steps[2]] == [reduces for _, reduces in steps[1]]
     assert all(reduces >= 1 for _, reduces in steps[1])
     # and what the all-reduce sums is the gradient of the global batch: one process, no accumulation
-    single, _, _ = _first_step_gradients(_trainer(tmp_path, "single"))
+    single, _, _ = _first_step_gradients(_trainer(tmp_path, "single", float64=True))
     _assert_same_gradients(saved["gradients"], single)

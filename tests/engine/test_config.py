@@ -188,7 +188,8 @@ def test_renamed_key_still_reads_old_files_and_checkpoints():
 
 
 def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources():
-    saved = to_dict(load_config("demo.yaml", ["model.pretrained_backbone=imagenet", "model.init_checkpoint=x.pt"]))
+    saved = to_dict(load_config("demo.yaml", ["model.pretrained_backbone=imagenet", "model.init_checkpoint=x.pt",
+                                              "eval.amp=bf16"]))
     config = inference_config(saved, ["eval.mode=slide", "eval.window_size=64", "eval.stride=32"], source="ckpt",
                               flags={"eval.flip": True, "eval.scales": "0.5,1.0", "eval.mode": None})
     assert config.model.pretrained_backbone == "none" and config.model.init_checkpoint == ""
@@ -204,8 +205,8 @@ def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources(
     ("model.output_stride=32", "model.output_stride=32 is not one of 8, 16"),
     ("model.norm=gn", "model.norm='gn' is not one of syncbn, bn, frozen_bn"),
     ("train.optimizer=lamb", "train.optimizer='lamb' is not one of sgd, adamw"),
-    ("train.amp=fp8", "train.amp='fp8' is not one of off, fp16, bf16"),
-    ("eval.amp=int8", "eval.amp='int8' is not one of off, fp16, bf16"),
+    ("train.amp=fp8", "train.amp='fp8' is not one of auto, off, fp16, bf16"),
+    ("eval.amp=int8", "eval.amp='int8' is not one of auto, off, fp16, bf16"),
     ("eval.mode=tiles", "eval.mode='tiles' is not one of whole, slide"),
     ("data.crop_size=0", "data.crop_size=0,0: every value must be >= 1"),
     ("data.crop_size=512,0", "data.crop_size=512,0: every value must be >= 1"),

@@ -19,9 +19,34 @@ def _no_torchrun_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def _fake_cuda(monkeypatch, count: int) -> None:
+class FakeCuda:
+    """torch.cuda's device bookkeeping without a GPU, as strict as torch: `set_device` rejects a device
+    without an index (torch's _get_device_index(optional=False): "Expected a torch.device with a specified
+    index or an integer") and an index past the count; `current_device` is what was set (0 at start)."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.current, self.set_calls = count, 0, []
+
+    def set_device(self, device) -> None:
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device):
+            if device.type != "cuda" or device.index is None:
+                raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+            device = device.index
+        if not 0 <= device < self.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {device}")
+        self.set_calls.append(device)
+        self.current = device
+
+
+def _fake_cuda(monkeypatch, count: int) -> FakeCuda:
+    fake = FakeCuda(count)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", fake.set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.current)
+    return fake
 
 
 @pytest.mark.parametrize("text,expected", [("0", (0,)), ("0,1,3", (0, 1, 3)), (" 2 , 1 ", (2, 1))])
@@ -59,17 +84,20 @@ def test_missing_gpu_id_is_named(monkeypatch):
         setup_distributed("0,5")
 
 
-def test_gpus_select_data_parallel(monkeypatch):
-    _fake_cuda(monkeypatch, 4)
+def test_gpus_select_data_parallel_and_make_the_first_one_current(monkeypatch):
+    """--gpus 2,3 sets GPU 2 current at once, before any loader or pin-memory thread starts: otherwise every
+    tensor made without a device (and the pin-memory thread) opens a context on GPU 0."""
+    fake = _fake_cuda(monkeypatch, 4)
     info = setup_distributed("2,3")
     assert info.mode == "dp" and info.device_ids == (2, 3) and info.device == torch.device("cuda", 2)
     assert info.num_replicas == 2
+    assert fake.set_calls == [2] and torch.cuda.current_device() == 2
 
 
 def test_default_with_cuda_is_gpu0(monkeypatch):
-    _fake_cuda(monkeypatch, 1)
+    fake = _fake_cuda(monkeypatch, 1)
     info = setup_distributed(None)
-    assert info.mode == "dp" and info.device_ids == (0,)
+    assert info.mode == "dp" and info.device_ids == (0,) and fake.set_calls == [0]
 
 
 def test_torchrun_with_gpus_is_an_error(monkeypatch):
@@ -132,10 +160,13 @@ def test_inference_device_parses_and_checks_the_device(monkeypatch):
         distributed.inference_device("gpu0")
     with pytest.raises(ValueError, match="--device 'meta': expected cpu, cuda or cuda:N"):
         distributed.inference_device("meta")
-    _fake_cuda(monkeypatch, 2)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    assert distributed.inference_device(None) == torch.device("cuda")
+    fake = _fake_cuda(monkeypatch, 2)
+    # no --device and --device cuda mean the current GPU, with its index (set_device rejects plain "cuda")
+    assert distributed.inference_device(None) == torch.device("cuda", 0)
+    assert distributed.inference_device("cuda") == torch.device("cuda", 0)
     assert distributed.inference_device("cuda:1") == torch.device("cuda", 1)
+    assert fake.set_calls == [0, 0, 1]
+    assert distributed.inference_device("cuda") == torch.device("cuda", 1)  # now the current one
     with pytest.raises(ValueError, match="--device cuda:2: this machine has 2 CUDA device"):
         distributed.inference_device("cuda:2")
     under_torchrun = DistInfo(rank=1, world_size=2, device=torch.device("cpu"), mode="ddp")
@@ -144,11 +175,30 @@ def test_inference_device_parses_and_checks_the_device(monkeypatch):
         distributed.inference_device("cpu", under_torchrun)
 
 
-@pytest.mark.parametrize("precision,dtype", [("off", torch.float32), ("bf16", torch.bfloat16)])
-def test_autocast_for_each_precision(precision, dtype):
-    layer = torch.nn.Linear(4, 4)
-    with distributed.autocast_for(torch.device("cpu"), precision):
-        assert layer(torch.randn(2, 4)).dtype == dtype
+def test_the_buffer_sync_keyword_follows_the_installed_ddp_signature():
+    """torch 2.14 renamed DDP's broadcast_buffers to forward_sync_buffers (warning on the old name); torch
+    2.11, on the GPU image, has only broadcast_buffers and raised TypeError on the new one."""
+
+    class Torch211DDP:
+        def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                     process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
+                     gradient_as_bucket_view=False, static_graph=False):
+            pass
+
+    class Torch214DDP:
+        def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
+                     gradient_as_bucket_view=False, forward_sync_buffers=None):
+            pass
+
+    class Unknown:
+        def __init__(self, module, device_ids=None):
+            pass
+
+    assert distributed.no_buffer_sync_option(Torch211DDP) == {"broadcast_buffers": False}
+    assert distributed.no_buffer_sync_option(Torch214DDP) == {"forward_sync_buffers": False}
+    Torch211DDP(nn.Linear(2, 2), **distributed.no_buffer_sync_option(Torch211DDP))  # accepted as called
+    with pytest.raises(ValueError, match="neither forward_sync_buffers nor broadcast_buffers"):
+        distributed.no_buffer_sync_option(Unknown)
 
 
 def test_ddp_wrapping_uses_no_deprecated_argument_and_bucket_views(tmp_path):

@@ -98,4 +98,4 @@ def test_dist_timeout_comes_from_the_file_the_overrides_or_the_checkpoint(tmp_pa
     _checkpoint(tmp_path / "last.pt", load_config("demo.yaml", ["dist.timeout_s=45"]))
     assert dist_timeout(None, str(tmp_path / "last.pt"), []) == 45.0
     assert dist_timeout(None, str(tmp_path / "missing.pt"), []) == 300.0  # plan_run reports the missing file
-    assert torch.load(tmp_path / "last.pt", weights_only=True)["run_id"] == "run-a"
+    assert torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)["run_id"] == "run-a"

@@ -160,10 +160,10 @@ def test_a_warning_for_images_far_larger_than_the_training_crop(checkpoint, tmp_
 def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path, monkeypatch):
     import contextlib
 
-    import engine.distributed
+    import engine.precision
 
     path = checkpoint[0]
-    payload = torch.load(path, weights_only=True)
+    payload = torch.load(path, map_location="cpu", weights_only=True)
     payload["config"]["eval"]["amp"] = "bf16"
     bf16 = tmp_path / "bf16.pt"
     save_checkpoint(bf16, payload)
@@ -174,7 +174,7 @@ def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path,
         used.append(precision)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(engine.distributed, "autocast_for", recording)
+    monkeypatch.setattr(engine.precision, "autocast_for", recording)
     common = ["--input", str(tmp_path / "z.png"), "--output", str(tmp_path / "o"), "--device", "cpu"]
     assert _load_script().main(["--checkpoint", str(bf16), *common]) == 0
     assert _load_script().main(["--checkpoint", str(bf16), *common, "--amp", "off"]) == 0

@@ -297,6 +297,50 @@ def test_under_autocast_statistics_are_float32_and_output_follows_input():
     torch.testing.assert_close(replicas[0][1].running_mean.double(), reference.running_mean, rtol=1e-5, atol=1e-6)
 
 
+def _torch_style_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):
+    """torch.nn.parallel.parallel_apply's threading, on CPU: each thread re-enters autocast with
+    `enabled=` only (torch: `torch.amp.autocast(device_type, enabled=autocast_enabled)`), which gives the
+    device's default dtype (CPU: bf16, CUDA: fp16) whatever dtype the caller chose."""
+    autocast_enabled, results = torch.is_autocast_enabled("cpu"), [None] * len(modules)
+    kwargs_tup = kwargs_tup or ({},) * len(modules)
+
+    def worker(index):
+        with torch.amp.autocast("cpu", enabled=autocast_enabled):
+            inp = inputs[index] if isinstance(inputs[index], (list, tuple)) else (inputs[index],)
+            results[index] = modules[index](*inp, **kwargs_tup[index])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(modules))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+class _RecordsAutocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x), torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_data_parallel_replica_threads_autocast_with_the_callers_dtype(monkeypatch, no_accelerator, dtype):
+    """bf16 under --gpus trained in fp16 (without a GradScaler): the replica threads lost the dtype."""
+    from model.sync_batchnorm import replicate
+
+    monkeypatch.setattr(replicate, "parallel_apply", _torch_style_parallel_apply)
+    wrapped = DataParallelWithCallback(_RecordsAutocast(), device_ids=[])
+    replicas = make_replicas(wrapped.module, 2)
+    with torch.autocast("cpu", dtype=dtype):
+        outputs = wrapped.parallel_apply(replicas, [(torch.randn(2, 4),), (torch.randn(3, 4),)], None)
+    assert [(out.dtype, seen, enabled) for out, seen, enabled in outputs] == [(dtype, dtype, True)] * 2
+    outputs = wrapped.parallel_apply(replicas, [(torch.randn(2, 4),), (torch.randn(3, 4),)], None)
+    assert [(out.dtype, enabled) for out, _, enabled in outputs] == [(torch.float32, False)] * 2
+
+
 def _autocast_call(replica, inp):
     # autocast state is thread-local: each replica thread enters it, as parallel_apply does
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -543,7 +587,7 @@ def test_state_dict_keys_equal_nn_batchnorm_and_load_strictly_both_ways(sync_cla
         assert torch.equal(back.state_dict()[key], value)
 
 
-def test_deepcopy_pickle_and_torch_save_of_module_and_wrapped_model(tmp_path):
+def test_deepcopy_pickle_and_torch_save_of_module_and_wrapped_model(tmp_path, no_accelerator):
     model = nn.Sequential(nn.Conv2d(3, 4, 1), SynchronizedBatchNorm2d(4))
     # run one synchronized round first so runtime rendezvous state exists
     run_replicas(make_replicas(model, 2), [torch.randn(2, 3, 3, 3), torch.randn(2, 3, 3, 3)])
@@ -568,7 +612,7 @@ def test_deepcopy_pickle_and_torch_save_of_module_and_wrapped_model(tmp_path):
     run_replicas(make_replicas(copies[1], 2), [torch.randn(2, 3, 3, 3), torch.randn(2, 3, 3, 3)])
 
 
-def test_state_dict_of_wrapped_model_loads_into_plain_batchnorm(tmp_path):
+def test_state_dict_of_wrapped_model_loads_into_plain_batchnorm(tmp_path, no_accelerator):
     model = DataParallelWithCallback(nn.Sequential(nn.Conv2d(3, 4, 1), SynchronizedBatchNorm2d(4)), device_ids=[])
     path = tmp_path / "weights.pt"
     torch.save(model.module.state_dict(), path)
@@ -594,7 +638,7 @@ def test_convert_and_revert_share_tensors_and_keep_outputs():
     assert torch.equal(reverted(x), expected)
 
 
-def test_convert_data_parallel_keeps_device_ids():
+def test_convert_data_parallel_keeps_device_ids(no_accelerator):
     wrapped = nn.DataParallel(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), device_ids=[])
     converted = convert_model(wrapped)
     assert isinstance(converted, DataParallelWithCallback)
