@@ -9,7 +9,13 @@
 2. Two processes (NCCL, when there are 2 GPUs): our layer vs torch.nn.SyncBatchNorm vs local BN.
 3. Training: images/s and peak memory of the DeepLabV3+ / ResNet-50 trainer on synthetic 512 px
    crops, fp32 against fp16 autocast with channels_last (same batches, alternating rounds).
-On a CPU-only machine (`--device cpu`, tiny sizes) it runs part 1 only, to check the code paths.
+On a CPU-only machine (`--device cpu`, tiny sizes) it runs part 1 only, to check the code paths (and, unless
+--train-iters 0, imports the engine that part 3 needs, to check that it imports).
+
+The JSON is written after each part, so the layer figures and verdicts survive a later part that fails or a
+timeout that kills the process. A part that raises (the engine's requirements missing, NCCL failing) is
+recorded as {"error": "..."} with its traceback on stderr, the next part runs, and the exit status is 1;
+a part that cannot run here is recorded as {"skipped": "<why>"}.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -146,14 +153,21 @@ def two_processes(repeats: int) -> tuple[list[dict], list[dict]]:
     return rows, targets
 
 
-def training(iters: int, rounds: int) -> dict:
-    """images/s and peak memory: fp32 vs fp16 autocast + channels_last, rounds alternating."""
-    import logging
-
+def _import_trainer():
+    """The engine's entry points part 3 needs: imported only then (they need the runtime requirements,
+    albumentations included, where parts 1 and 2 need torch alone)."""
     from engine.config_io import load_config
     from engine.distributed import setup_distributed
     from engine.trainer import Trainer
 
+    return load_config, setup_distributed, Trainer
+
+
+def training(iters: int, rounds: int) -> dict:
+    """images/s and peak memory: fp32 vs fp16 autocast + channels_last, rounds alternating."""
+    import logging
+
+    load_config, setup_distributed, Trainer = _import_trainer()
     logging.basicConfig(level=logging.WARNING)
     common = ["model.backbone=resnet50", "model.head_channels=256", "model.aspp_rates=", "data.synthetic_image_size=512",
               "data.crop_size=512", "data.scale_range=1,1", "data.synthetic_train_size=400", "data.num_workers=8",
@@ -183,7 +197,13 @@ def training(iters: int, rounds: int) -> dict:
     return results
 
 
-def main() -> None:
+def _failure(part: str, error: BaseException) -> dict:
+    print(f"bench_cuda: {part} failed:", file=sys.stderr)
+    traceback.print_exc()
+    return {"error": f"{type(error).__name__}: {error}"}
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=30, help="interleaved repetitions of every layer variant")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -195,29 +215,72 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    env = environment(device=str(device), gpus=torch.cuda.device_count(),
+    gpus = torch.cuda.device_count()
+    env = environment(device=str(device), gpus=gpus,
                       gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-    rows, targets = single_process(device, args.repeats, SHAPES if device.type == "cuda" else TINY_SHAPES)
-    for row in rows:
-        print(f"{tuple(row['shape'])} {row['dtype']}: " + ", ".join(
-            f"{name} {row['ms'][name]['median']:.3f} ms" for name in row["ms"]))
-    record: dict = {"environment": env, "single_process": rows}
-    if device.type == "cuda" and torch.cuda.device_count() >= 2:
-        record["two_processes"], more = two_processes(args.repeats)
-        targets += more
-        for row in record["two_processes"]:
-            print(f"2 GPUs {tuple(row['shape'])}: " + ", ".join(
+    targets: list[dict] = []
+    record: dict = {"environment": env, "targets": targets}
+    failed = False
+
+    # 1. layers, one process: figures and verdicts written before anything else runs
+    try:
+        rows, layer_targets = single_process(device, args.repeats, SHAPES if device.type == "cuda" else TINY_SHAPES)
+    except Exception as error:  # noqa: BLE001 - recorded, then the next part runs
+        record["single_process"], failed = _failure("part 1 (layers, one process)", error), True
+    else:
+        record["single_process"] = rows
+        targets += layer_targets
+        for row in rows:
+            print(f"{tuple(row['shape'])} {row['dtype']}: " + ", ".join(
                 f"{name} {row['ms'][name]['median']:.3f} ms" for name in row["ms"]))
-    if device.type == "cuda" and args.train_iters > 0:
-        record["training"] = training(args.train_iters, args.train_rounds)
-        for name in ("fp32", "fp16_channels_last"):
-            figures = record["training"][name]
-            print(f"training {name}: {figures['images_per_s']:.1f} images/s, peak {figures['peak_memory_mb']:.0f} MiB")
-        targets.append(judge("cuda training fp16+channels_last speedup", record["training"]["speedup_fp16_channels_last"],
-                             target=1.0, control=None, higher_is_better=True))
-    print_targets(targets)
-    record["targets"] = targets
+        if layer_targets:
+            print_targets(layer_targets)
     write_record("bench_cuda", args.output, record)
+
+    # 2. layers, two NCCL processes
+    if device.type != "cuda" or gpus < 2:
+        record["two_processes"] = {"skipped": f"needs 2 CUDA devices; {device.type} with {gpus} GPU(s) here"}
+    else:
+        try:
+            record["two_processes"], more = two_processes(args.repeats)
+        except Exception as error:  # noqa: BLE001
+            record["two_processes"], failed = _failure("part 2 (layers, two processes)", error), True
+        else:
+            targets += more
+            for row in record["two_processes"]:
+                print(f"2 GPUs {tuple(row['shape'])}: " + ", ".join(
+                    f"{name} {row['ms'][name]['median']:.3f} ms" for name in row["ms"]))
+            print_targets(more)
+        write_record("bench_cuda", args.output, record)
+
+    # 3. training throughput: imports the engine (the runtime requirements); on CPU only the import is checked
+    if args.train_iters <= 0:
+        record["training"] = {"skipped": "--train-iters 0"}
+    else:
+        try:
+            if device.type != "cuda":
+                _import_trainer()
+                record["training"] = {"skipped": f"needs a CUDA device (ran on {device}); the engine imports"}
+            else:
+                record["training"] = training(args.train_iters, args.train_rounds)
+        except Exception as error:  # noqa: BLE001 - an ImportError here must not lose parts 1 and 2
+            record["training"], failed = _failure("part 3 (training)", error), True
+        else:
+            if "speedup_fp16_channels_last" in record["training"]:
+                for name in ("fp32", "fp16_channels_last"):
+                    figures = record["training"][name]
+                    print(f"training {name}: {figures['images_per_s']:.1f} images/s, "
+                          f"peak {figures['peak_memory_mb']:.0f} MiB")
+                speedup = judge("cuda training fp16+channels_last speedup",
+                                record["training"]["speedup_fp16_channels_last"], target=1.0, control=None,
+                                higher_is_better=True)
+                targets.append(speedup)
+                print_targets([speedup])
+    for part in ("two_processes", "training"):
+        if isinstance(record.get(part), dict) and "skipped" in record[part]:
+            print(f"{part}: skipped ({record[part]['skipped']})")
+    write_record("bench_cuda", args.output, record)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
