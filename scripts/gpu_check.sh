@@ -1,74 +1,403 @@
 #!/usr/bin/env bash
-# GPU checks: every CUDA test and the GPU benchmarks, within 8 minutes on a GPU machine (each step has
-# its own timeout; they add up to 470 s).
-#   scripts/gpu_check.sh OUTPUT_DIR
-# Writes under OUTPUT_DIR: environment.txt, cuda_tests.txt (pytest output), bench_syncbn_cuda.{txt,json},
-# bench_cuda.{txt,json} (SyncBN vs torch.nn.SyncBatchNorm and nn.BatchNorm2d, 1 and 2 processes; training
-# images/s and peak memory, fp32 vs fp16 + channels_last), train_gpu0.txt, train_ddp2.txt.
-# Uses $PYTHON, else .venv/bin/python when it exists, else python3 (the GPU machine's own PyTorch).
+# GPU checks for a borrowed GPU machine whose image ships its own torch (README "GPU check"): every CUDA
+# test, a short GPU training run (two processes with 2 GPUs) and the CUDA benchmarks, bounded in time
+# (7.5 minutes in all) and in the files it leaves (the 8 named in the usage).
+# Written for the image as it is: the runtime requirements it lacks (albumentations and its closure) are
+# installed offline from the wheels that scripts/gpu_wheels.py downloaded beforehand; each step runs in a
+# process of its own under `timeout`, so an import error, a crash or a hang costs that step alone.
 set -uo pipefail
+
 usage() {
   cat <<'EOF_USAGE'
-usage: scripts/gpu_check.sh OUTPUT_DIR
-Runs every CUDA test, the CUDA SyncBN benchmarks (bench_syncbn, bench_cuda: layers and training
-throughput), a 60-iteration --gpus 0 fp16 training of the demo and, with 2 GPUs, a 2-process torchrun
-training; writes logs and JSON under OUTPUT_DIR (created if needed). About 8 minutes at most.
-Python: $PYTHON, else .venv/bin/python when it exists, else python3. Exit status 0 when every step passed.
+usage: scripts/gpu_check.sh [--dry-run] [--wheels DIR] OUTPUT_DIR
+
+Runs, each step under its own timeout and all within 7.5 minutes (a step that fails or times out is
+recorded and the next one runs):
+  environment   date, nvidia-smi, Python, torch and its CUDA, pip list
+  deps          imports the runtime requirements; when one fails, installs the wheels in DIR offline
+                (pip --no-index --no-deps --target) into a private temporary folder put on PYTHONPATH
+  cuda_tests    every test file that declares CUDA tests, one pytest run per file (-m cuda)
+  train_gpu0    60 iterations of the demo on GPU 0, fp16 AMP
+  train_ddp2    the same as a 2-process torchrun (NCCL); skipped with fewer than 2 GPUs
+  bench_syncbn  benchmarks.bench_syncbn --device cuda
+  bench_cuda    benchmarks.bench_cuda: SyncBN against torch's layers, training images/s and memory
+Writes exactly these files in OUTPUT_DIR (created if needed; a relative path is taken from where the
+script was started), each as soon as its step ends:
+  summary.txt          one line a step: STATUS SECONDS STEP DETAIL (PASS, FAIL, TIMEOUT, SKIPPED)
+  environment.txt      the environment and the deps step's log
+  cuda_tests.txt       the pytest output of every CUDA test file
+  train.txt            the training logs
+  train_metrics.json   each training's status and its metrics.jsonl records (run folders and
+                       checkpoints stay in a temporary folder, deleted at the end)
+  benchmarks.txt       the benchmarks' output
+  bench_syncbn_cuda.json, bench_cuda.json   the benchmarks' records, with the step's status
+Options:
+  --wheels DIR   wheels for the deps step (default: .gpu_wheels in the repository root, made by
+                 `python scripts/gpu_wheels.py` where PyPI is reachable; the device tool copies it
+                 only when the call names it: carry=['.gpu_wheels'])
+  --dry-run      for a CPU machine: runs the same steps' plumbing (environment, deps with its install,
+                 the CUDA test files, which skip themselves, bench_cuda on tiny CPU shapes, a 1-iteration
+                 CPU training, `--help` of bench_syncbn) and records each GPU step as SKIPPED with why,
+                 writing the same files. To rehearse the GPU image here (its missing packages hidden,
+                 installed from wheels for this machine's Python, e.g. 3.11):
+                   python scripts/gpu_wheels.py --python-version 3.11 /tmp/wheels311
+                   PYTHONPATH=$PWD/scripts/gpu_image scripts/gpu_check.sh --dry-run --wheels /tmp/wheels311 OUT
+Python: $PYTHON, else .venv/bin/python when it exists, else python3 (the GPU image's own).
+Exit status: 0 when no step failed or timed out, 1 otherwise, 2 on a usage error.
 EOF_USAGE
 }
-case "${1:-}" in
-  -h|--help) usage; exit 0 ;;
-  "") usage >&2; exit 2 ;;
-  -*) echo "gpu_check.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
-esac
-if [ $# -gt 1 ]; then echo "gpu_check.sh: one OUTPUT_DIR expected, got $#" >&2; usage >&2; exit 2; fi
-out=$1
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
-py=${PYTHON:-}
-if [ -z "$py" ]; then
-  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+
+dry_run=0
+wheels=""
+out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --dry-run) dry_run=1 ;;
+    --wheels)
+      if [ $# -lt 2 ]; then echo "gpu_check.sh: --wheels needs a DIR" >&2; usage >&2; exit 2; fi
+      wheels=$2; shift ;;
+    --wheels=*) wheels=${1#--wheels=} ;;
+    -*) echo "gpu_check.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
+    *)
+      if [ -n "$out" ]; then echo "gpu_check.sh: one OUTPUT_DIR expected, got '$out' and '$1'" >&2; usage >&2; exit 2; fi
+      out=$1 ;;
+  esac
+  shift
+done
+if [ -z "$out" ]; then usage >&2; exit 2; fi
+
+# Paths given relative to where the script was started are resolved before the cd to the repository root.
+mkdir -p "$out" || { echo "gpu_check.sh: cannot create OUTPUT_DIR '$out'" >&2; exit 2; }
+out=$(cd "$out" && pwd)
+if [ -n "$wheels" ]; then
+  case $wheels in /*) ;; *) wheels=$PWD/$wheels ;; esac
 fi
-export PYTHONUNBUFFERED=1
+py=${PYTHON:-}
+case $py in */*) py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py") ;; esac
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root" || exit 2
+wheels=${wheels:-$root/.gpu_wheels}
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=$root/.venv/bin/python; else py=python3; fi
+fi
+
+export PYTHONUNBUFFERED=1 NO_ALBUMENTATIONS_UPDATE=1 PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
+trap 'rm -rf "$work"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+TOTAL_BUDGET=450  # seconds for all steps: 7.5 minutes, so the whole check ends within 8
+deadline=$((SECONDS + TOTAL_BUDGET))
 status=0
+counts_pass=0 counts_fail=0 counts_skip=0
 
-{ date -u; nvidia-smi || true; "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"; } \
-  > "$out/environment.txt" 2>&1
+summary=$out/summary.txt
+env_log=$out/environment.txt
+tests_log=$out/cuda_tests.txt
+train_log=$out/train.txt
+bench_log=$out/benchmarks.txt
+metrics_json=$out/train_metrics.json
+syncbn_json=$out/bench_syncbn_cuda.json
+cuda_json=$out/bench_cuda.json
+# Every file exists from the start, so a step that dies leaves the same file set behind.
+for file in "$env_log" "$tests_log" "$train_log" "$bench_log"; do : > "$file"; done
+echo '{}' > "$metrics_json"
+rm -f "$syncbn_json" "$cuda_json"
+{
+  echo "gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC')$([ $dry_run = 1 ] && echo ', DRY RUN (no GPU steps)'); python: $py; wheels: $wheels"
+  printf '%-7s %5s  %-44s %s\n' STATUS TIME STEP DETAIL
+} > "$summary"
 
-# Every test file that declares CUDA tests (marker `cuda`); only those modules are imported, so the
-# GPU machine needs torch alone for the sync_batchnorm checks.
+# record STATUS SECONDS STEP DETAIL: one summary line, written at once, echoed for the console.
+record() {
+  local line
+  line=$(printf '%-7s %4ss  %-44s %s' "$1" "$2" "$3" "$4")
+  echo "$line" >> "$summary"
+  echo "gpu_check: $line"
+  case $1 in
+    PASS) counts_pass=$((counts_pass + 1)) ;;
+    SKIPPED) counts_skip=$((counts_skip + 1)) ;;
+    *) counts_fail=$((counts_fail + 1)); status=1 ;;
+  esac
+}
+
+# bounded BUDGET LOG COMMAND...: runs COMMAND with its output appended to LOG, under `timeout`, for at
+# most BUDGET seconds and never past the deadline. Sets rc (124: timed out, 125: no time left), took
+# (seconds) and limit (the timeout used).
+bounded() {
+  local budget=$1 log=$2
+  shift 2
+  limit=$((deadline - SECONDS))
+  if [ "$limit" -gt "$budget" ]; then limit=$budget; fi
+  took=0
+  if [ "$limit" -lt 10 ]; then
+    rc=125
+    echo "=== not run, the ${TOTAL_BUDGET} s budget is spent: $*" >> "$log"
+    return
+  fi
+  echo "=== $* (timeout ${limit} s)" >> "$log"
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1 < /dev/null
+  rc=$?
+  took=$((SECONDS - start))
+  if [ "$rc" -eq 137 ]; then rc=124; fi
+  echo "=== exit status $rc after ${took} s" >> "$log"
+}
+
+# verdict STEP DETAIL [DRY_REASON]: the summary line for the last `bounded` run. In a dry run a command
+# that succeeded stands in for the GPU step, which is SKIPPED with DRY_REASON.
+verdict() {
+  local step=$1 detail=$2 dry_reason=${3:-}
+  case $rc in
+    0) if [ $dry_run = 1 ] && [ -n "$dry_reason" ]; then record SKIPPED "$took" "$step" "dry run: $dry_reason"
+       else record PASS "$took" "$step" "$detail"; fi ;;
+    124) record TIMEOUT "$took" "$step" "stopped after ${limit} s${detail:+; $detail}" ;;
+    125) record SKIPPED 0 "$step" "the ${TOTAL_BUDGET} s budget is spent" ;;
+    *) record FAIL "$took" "$step" "exit status $rc${detail:+; $detail}" ;;
+  esac
+}
+
+# note_json FILE STEP: adds the step's outcome to a benchmark's JSON (a record of its own when the
+# benchmark wrote none or an unreadable one), so each JSON says how its step ended.
+note_json() {
+  "$py" - "$1" "$rc" "$took" "$dry_run" <<'EOF_PY' || echo "{\"gpu_check\": {\"exit_status\": $rc}}" > "$1"
+import json, sys
+from pathlib import Path
+path, rc, took, dry_run = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+try:
+    record = json.loads(path.read_text())
+except (OSError, ValueError):
+    record = {}
+outcome = {0: "done", 124: "timed out", 125: "not run: the time budget was spent"}.get(rc, f"failed ({rc})")
+record["gpu_check"] = {"exit_status": rc, "outcome": outcome, "seconds": took, "dry_run": dry_run}
+path.write_text(json.dumps(record, indent=2))
+EOF_PY
+}
+
+# add_metrics NAME RUN_DIR [NOTE]: the run's metrics.jsonl records (not its checkpoints) into
+# train_metrics.json under NAME, with how the last `bounded` run ended (or NOTE, when it did not run) and
+# the run folder's file list; prints the last validation's mIoU for the summary line.
+add_metrics() {
+  "$py" - "$metrics_json" "$1" "$2" "${3:-}" "$rc" "$took" "$dry_run" <<'EOF_PY'
+import json, sys
+from pathlib import Path
+path, name, run_dir, note, rc, took, dry_run = sys.argv[1:]
+path, run_dir = Path(path), Path(run_dir)
+data = json.loads(path.read_text())
+if note:
+    entry = {"outcome": "not run", "note": note}
+else:
+    outcome = {"0": "done", "124": "timed out", "125": "not run: the time budget was spent"}.get(rc, f"failed ({rc})")
+    entry = {"outcome": outcome, "exit_status": int(rc), "seconds": int(took), "dry_run": dry_run == "1"}
+metrics = run_dir / "metrics.jsonl"
+if metrics.exists():
+    records = []
+    for line in metrics.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a torn last line (the run was killed while writing it)
+            records.append({"unreadable_line": line[:200]})
+    entry["metrics"] = records
+    val = [r for r in records if r.get("type") == "val" and "miou" in r]
+    if val:
+        print(f"val mIoU {val[-1]['miou']:.4f} at iteration {val[-1].get('iteration')}")
+if run_dir.is_dir():
+    entry["run_files"] = {str(p.relative_to(run_dir)): p.stat().st_size for p in sorted(run_dir.rglob("*")) if p.is_file()}
+data[name] = entry
+path.write_text(json.dumps(data, indent=2))
+EOF_PY
+}
+
+# ---------------------------------------------------------------------------------------------- environment
+gpus=0
+{
+  echo "host: $(uname -a)"
+  echo "started in: $root; OUTPUT_DIR: $out; work folder: $work"
+  echo "--- nvidia-smi"
+} >> "$env_log"
+if command -v nvidia-smi > /dev/null; then timeout 30 nvidia-smi >> "$env_log" 2>&1; else echo "nvidia-smi: not found" >> "$env_log"; fi
+echo "--- python and torch" >> "$env_log"
+bounded 60 "$env_log" "$py" -c 'import platform, sys, torch
+count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+names = (": " + ", ".join(torch.cuda.get_device_name(i) for i in range(count))) if count else ""
+print(f"torch_summary: torch {torch.__version__}, CUDA {torch.version.cuda}, {count} GPU(s){names}, "
+      f"Python {platform.python_version()} ({sys.executable})")
+print(f"gpu_count: {count}")'
+if [ "$rc" -eq 0 ]; then
+  torch_summary=$(grep '^torch_summary: ' "$env_log" | tail -n 1 | cut -d' ' -f2-)
+  gpus=$(grep '^gpu_count: ' "$env_log" | tail -n 1 | cut -d' ' -f2)
+fi
+echo "--- pip list" >> "$env_log"
+timeout 60 "$py" -m pip list >> "$env_log" 2>&1 || echo "(pip list failed)" >> "$env_log"
+if [ "$rc" -ne 0 ]; then
+  verdict environment "torch does not import with $py (environment.txt)"
+elif [ $dry_run = 0 ] && [ "$gpus" -lt 1 ]; then
+  record FAIL "$took" environment "$torch_summary: no CUDA device visible (on a CPU machine, use --dry-run)"
+else
+  record PASS "$took" environment "$torch_summary"
+fi
+
+# ---------------------------------------------------------------------------------------------- deps
+# What train.py needs at run time (requirements.txt; import names), checked in one process.
+runtime_modules=(albumentations cv2 numpy PIL yaml scipy tensorboard tqdm)
+check_imports() {  # prints "name (error); ..." for the modules that do not import, nothing when all do
+  timeout 120 "$py" - "${runtime_modules[@]}" 2>> "$env_log" <<'EOF_PY'
+import importlib, sys
+missing = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as error:  # noqa: BLE001 - any failure to import counts
+        missing.append(f"{name} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+print("; ".join(missing))
+EOF_PY
+}
+echo "--- deps: import ${runtime_modules[*]}" >> "$env_log"
+deps_start=$SECONDS
+missing=$(check_imports)
+if [ $? -ne 0 ]; then missing="the import check itself failed (environment.txt)"; fi
+deps_ok=0
+if [ -z "$missing" ]; then
+  deps_ok=1
+  record PASS $((SECONDS - deps_start)) deps "the runtime requirements import; nothing installed"
+else
+  echo "missing: $missing" >> "$env_log"
+  shopt -s nullglob
+  wheel_files=("$wheels"/*.whl)
+  shopt -u nullglob
+  if [ ${#wheel_files[@]} -eq 0 ]; then
+    record FAIL $((SECONDS - deps_start)) deps "missing: $missing; no wheels in $wheels (run python scripts/gpu_wheels.py where PyPI is reachable and bring that folder: carry=['.gpu_wheels'])"
+  else
+    bounded 120 "$env_log" "$py" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check \
+      --target "$work/site" "${wheel_files[@]}"
+    if [ "$rc" -ne 0 ]; then
+      verdict deps "pip could not install the ${#wheel_files[@]} wheels of $wheels (environment.txt); missing: $missing"
+    else
+      export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+      echo "--- deps: PYTHONPATH=$PYTHONPATH; import again" >> "$env_log"
+      still=$(check_imports)
+      if [ -z "$still" ]; then
+        deps_ok=1
+        record PASS $((SECONDS - deps_start)) deps "installed ${#wheel_files[@]} wheels from $wheels into a private folder on PYTHONPATH; the runtime requirements import"
+      else
+        echo "still missing: $still" >> "$env_log"
+        record FAIL $((SECONDS - deps_start)) deps "still missing after installing ${#wheel_files[@]} wheels from $wheels: $still"
+      fi
+    fi
+  fi
+fi
+echo "--- deps: what imports, from where" >> "$env_log"
+timeout 60 "$py" -c 'import importlib, sys
+for name in sys.argv[1:]:
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "(no __version__)"), module.__file__)
+    except Exception as error:  # noqa: BLE001
+        print(name, "does not import:", type(error).__name__, error)' \
+  albumentations albucore pydantic pydantic_core typing_extensions numpy cv2 torch torchvision >> "$env_log" 2>&1
+
+# ---------------------------------------------------------------------------------------------- cuda_tests
+# One pytest run per file that declares CUDA tests (marker `cuda`): a collection error (a missing
+# requirement) or a crash costs that file alone. The files share one time budget.
+TESTS_BUDGET=150
+tests_deadline=$((SECONDS + TESTS_BUDGET))
 mapfile -t cuda_tests < <(grep -rl "mark.cuda" tests --include='test_*.py' | sort)
-echo "CUDA test files: ${cuda_tests[*]}" | tee "$out/cuda_tests.txt"
-timeout 120 "$py" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" "${cuda_tests[@]}" -rA \
-  2>&1 | tee -a "$out/cuda_tests.txt" || status=1
+echo "CUDA test files: ${cuda_tests[*]}" >> "$tests_log"
+if [ ${#cuda_tests[@]} -eq 0 ]; then record FAIL 0 cuda_tests "no test file declares mark.cuda under tests/"; fi
+for file in "${cuda_tests[@]}"; do
+  left=$((tests_deadline - SECONDS))
+  if [ "$left" -gt 100 ]; then left=100; fi
+  start_line=$(wc -l < "$tests_log")
+  bounded "$left" "$tests_log" "$py" -m pytest -q -m cuda -p no:cacheprovider -o addopts= -o timeout=90 -rA "$file"
+  section=$(tail -n +"$((start_line + 1))" "$tests_log" | grep -v '^=== ')
+  # pytest's closing line; else (pytest did not get that far) the last error line, else the last line
+  outcome=$(echo "$section" | grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed)|no tests ran' | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+  outcome=${outcome:-$(echo "$section" | grep -E '^E ' | tail -n 1 | sed -E 's/^E +//')}
+  outcome=${outcome:-$(echo "$section" | grep -v '^[[:space:]]*$' | tail -n 1)}
+  step="cuda_tests:${file#tests/}"
+  if [ "$rc" -eq 0 ] && ! echo "$outcome" | grep -q passed; then
+    record SKIPPED "$took" "$step" "${outcome:-no outcome line}$([ $dry_run = 1 ] && echo ' (dry run: no CUDA device)'); the reasons are in cuda_tests.txt"
+  elif [ "$rc" -eq 5 ]; then
+    record SKIPPED "$took" "$step" "no test marked cuda was collected"
+  elif [ "$rc" -eq 125 ]; then
+    record SKIPPED 0 "$step" "the ${TESTS_BUDGET} s budget of the CUDA tests is spent"
+  else
+    verdict "$step" "$outcome"
+  fi
+done
 
-timeout 60 "$py" -m benchmarks.bench_syncbn --device cuda --skip-distributed --repeats 30 \
-  --output "$out/bench_syncbn_cuda.json" 2>&1 | tee "$out/bench_syncbn_cuda.txt" || status=1
-
-# SyncBN against torch.nn.SyncBatchNorm / nn.BatchNorm2d on the three shapes (one process; two with NCCL
-# when there are 2 GPUs), then training images/s and peak memory, fp32 vs fp16 autocast + channels_last.
-timeout 150 "$py" -m benchmarks.bench_cuda --repeats 30 --train-iters 20 --train-rounds 2 \
-  --output "$out/bench_cuda.json" 2>&1 | tee "$out/bench_cuda.txt" || status=1
-
-# Training (issue 6): 60 iterations of the demo on GPU 0 with fp16 AMP + GradScaler, then the same as
-# a 2-process torchrun (NCCL, SyncBN through torch.distributed) when there are 2 GPUs. Needs the
-# runtime requirements (albumentations, tensorboard, ...), not only torch.
+# ---------------------------------------------------------------------------------------------- training
+# Issue 6: 60 iterations of the demo on GPU 0 with fp16 AMP + GradScaler, then as a 2-process torchrun
+# (NCCL, SyncBN through torch.distributed) with 2 GPUs. The run folders (checkpoints of ~155 MB) stay in
+# the work folder; only their metrics come back.
 train_args=(train.iters=60 train.amp=fp16 train.val_interval=60 train.ckpt_interval=60 train.log_interval=20
             data.num_workers=4 data.synthetic_train_size=1000 data.synthetic_val_size=50)
-if "$py" -c "import albumentations, cv2, tensorboard, yaml" 2>/dev/null; then
-  timeout 70 "$py" train.py --config demo.yaml --gpus 0 output_dir="$out/train_gpu0" "${train_args[@]}" \
-    2>&1 | tee "$out/train_gpu0.txt" || status=1
-  if [ "$("$py" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 70 "$py" -m torch.distributed.run --standalone --nproc_per_node 2 \
-      train.py --config demo.yaml \
-      output_dir="$out/train_ddp2" "${train_args[@]}" 2>&1 | tee "$out/train_ddp2.txt" || status=1
-  else
-    echo "train: 1 GPU, 2-process torchrun skipped" | tee "$out/train_ddp2.txt"
-  fi
+dry_train_args=(train.iters=1 train.val_interval=1 train.ckpt_interval=1 train.log_interval=1 train.batch_size=2
+                train.amp=off eval.amp=off data.num_workers=0 data.synthetic_train_size=4 data.synthetic_val_size=2
+                data.synthetic_image_size=64 data.crop_size=64)
+# train NAME DETAIL DRY_REASON COMMAND...: one training run in the work folder, its metrics copied out.
+train() {
+  local name=$1 detail=$2 dry_reason=$3 val
+  shift 3
+  echo "--- $name" >> "$train_log"
+  bounded 90 "$train_log" "$@"
+  val=$(add_metrics "$name" "$work/runs/$name" 2>> "$train_log")
+  verdict "$name" "$detail${val:+; $val}" "$dry_reason"
+}
+# not_run NAME REASON: a training that cannot run here, said in all three places.
+not_run() {
+  echo "--- $1: not run ($2)" >> "$train_log"
+  record SKIPPED 0 "$1" "$2"
+  add_metrics "$1" "$work/runs/$1" "$2" > /dev/null 2>> "$train_log"
+}
+if [ $deps_ok = 0 ]; then
+  not_run train_gpu0 "the runtime requirements do not import (deps)"
+  not_run train_ddp2 "the runtime requirements do not import (deps)"
 else
-  echo "train: FAILED to import the runtime requirements (pip install -r requirements.txt)" | tee "$out/train_gpu0.txt"
-  status=1
+  if [ $dry_run = 1 ]; then
+    train train_gpu0 "" "no CUDA device; a 1-iteration CPU run checked train.py, its run folder and the metrics copy" \
+      "$py" train.py --config demo.yaml output_dir="$work/runs/train_gpu0" "${dry_train_args[@]}"
+  else
+    train train_gpu0 "60 iterations, fp16" "" \
+      "$py" train.py --config demo.yaml --gpus 0 output_dir="$work/runs/train_gpu0" "${train_args[@]}"
+  fi
+  if [ $dry_run = 1 ]; then
+    not_run train_ddp2 "dry run: needs 2 GPUs; $gpus here"
+  elif [ "$gpus" -lt 2 ]; then
+    not_run train_ddp2 "needs 2 GPUs; $gpus here"
+  else
+    train train_ddp2 "2 processes, 60 iterations, fp16" "" \
+      env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "$py" -m torch.distributed.run --standalone --nproc_per_node 2 \
+      train.py --config demo.yaml output_dir="$work/runs/train_ddp2" "${train_args[@]}"
+  fi
 fi
 
-echo "gpu_check finished with status $status; results in $out"
+# ---------------------------------------------------------------------------------------------- benchmarks
+if [ $dry_run = 1 ]; then
+  bounded 60 "$bench_log" "$py" -m benchmarks.bench_syncbn --help
+  verdict bench_syncbn "" "no CUDA device; its --help checked that it imports"
+else
+  bounded 60 "$bench_log" "$py" -m benchmarks.bench_syncbn --device cuda --skip-distributed --repeats 30 --output "$syncbn_json"
+  verdict bench_syncbn "bench_syncbn_cuda.json"
+fi
+note_json "$syncbn_json"
+
+# SyncBN against torch.nn.SyncBatchNorm / nn.BatchNorm2d on three shapes (one process; two with NCCL when
+# there are 2 GPUs), then training images/s and peak memory, fp32 vs fp16 autocast + channels_last. The
+# layer part's JSON is written before the training part imports the engine.
+if [ $dry_run = 1 ]; then
+  bounded 150 "$bench_log" "$py" -m benchmarks.bench_cuda --device cpu --repeats 2 --train-iters 1 --output "$cuda_json"
+  verdict bench_cuda "" "no CUDA device; tiny CPU shapes checked the layer part, and the engine imports"
+else
+  bounded 150 "$bench_log" "$py" -m benchmarks.bench_cuda --repeats 30 --train-iters 20 --train-rounds 2 --output "$cuda_json"
+  verdict bench_cuda "bench_cuda.json"
+fi
+note_json "$cuda_json"
+
+echo "finished with status $status in ${SECONDS} s: $counts_pass passed, $counts_fail failed or timed out, $counts_skip skipped$([ $dry_run = 1 ] && echo ' (dry run)')" >> "$summary"
+echo
+cat "$summary"
+echo "results in $out"
 exit $status
