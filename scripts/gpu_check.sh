@@ -43,6 +43,7 @@ Options:
                    python scripts/gpu_wheels.py --python-version 3.11 /tmp/wheels311
                    PYTHONPATH=$PWD/scripts/gpu_image scripts/gpu_check.sh --dry-run --wheels /tmp/wheels311 OUT
 Python: $PYTHON, else .venv/bin/python when it exists, else python3 (the GPU image's own).
+GPU_CHECK_SECONDS: the time for all steps (default 450); a step never runs past it.
 Exit status: 0 when no step failed or timed out, 1 otherwise, 2 on a usage error.
 EOF_USAGE
 }
@@ -88,7 +89,7 @@ trap 'rm -rf "$work"' EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-TOTAL_BUDGET=450  # seconds for all steps: 7.5 minutes, so the whole check ends within 8
+TOTAL_BUDGET=${GPU_CHECK_SECONDS:-450}  # seconds for all steps: 7.5 minutes, so the whole check ends within 8
 deadline=$((SECONDS + TOTAL_BUDGET))
 status=0
 counts_pass=0 counts_fail=0 counts_skip=0
@@ -124,7 +125,7 @@ record() {
 }
 
 # bounded BUDGET LOG COMMAND...: runs COMMAND with its output appended to LOG, under `timeout`, for at
-# most BUDGET seconds and never past the deadline. Sets rc (124: timed out, 125: no time left), took
+# most BUDGET seconds and never past the deadline. Sets rc (124: timed out, -1: not run, no time left), took
 # (seconds) and limit (the timeout used).
 bounded() {
   local budget=$1 log=$2
@@ -133,7 +134,7 @@ bounded() {
   if [ "$limit" -gt "$budget" ]; then limit=$budget; fi
   took=0
   if [ "$limit" -lt 10 ]; then
-    rc=125
+    rc=-1
     echo "=== not run, the ${TOTAL_BUDGET} s budget is spent: $*" >> "$log"
     return
   fi
@@ -154,7 +155,7 @@ verdict() {
     0) if [ $dry_run = 1 ] && [ -n "$dry_reason" ]; then record SKIPPED "$took" "$step" "dry run: $dry_reason"
        else record PASS "$took" "$step" "$detail"; fi ;;
     124) record TIMEOUT "$took" "$step" "stopped after ${limit} s${detail:+; $detail}" ;;
-    125) record SKIPPED 0 "$step" "the ${TOTAL_BUDGET} s budget is spent" ;;
+    -1) record SKIPPED 0 "$step" "not run: the ${TOTAL_BUDGET} s budget of all steps is spent" ;;
     *) record FAIL "$took" "$step" "exit status $rc${detail:+; $detail}" ;;
   esac
 }
@@ -170,7 +171,7 @@ try:
     record = json.loads(path.read_text())
 except (OSError, ValueError):
     record = {}
-outcome = {0: "done", 124: "timed out", 125: "not run: the time budget was spent"}.get(rc, f"failed ({rc})")
+outcome = {0: "done", 124: "timed out", -1: "not run: the time budget was spent"}.get(rc, f"failed ({rc})")
 record["gpu_check"] = {"exit_status": rc, "outcome": outcome, "seconds": took, "dry_run": dry_run}
 path.write_text(json.dumps(record, indent=2))
 EOF_PY
@@ -189,7 +190,7 @@ data = json.loads(path.read_text())
 if note:
     entry = {"outcome": "not run", "note": note}
 else:
-    outcome = {"0": "done", "124": "timed out", "125": "not run: the time budget was spent"}.get(rc, f"failed ({rc})")
+    outcome = {"0": "done", "124": "timed out", "-1": "not run: the time budget was spent"}.get(rc, f"failed ({rc})")
     entry = {"outcome": outcome, "exit_status": int(rc), "seconds": int(took), "dry_run": dry_run == "1"}
 metrics = run_dir / "metrics.jsonl"
 if metrics.exists():
@@ -321,8 +322,8 @@ for file in "${cuda_tests[@]}"; do
     record SKIPPED "$took" "$step" "${outcome:-no outcome line}$([ $dry_run = 1 ] && echo ' (dry run: no CUDA device)'); the reasons are in cuda_tests.txt"
   elif [ "$rc" -eq 5 ]; then
     record SKIPPED "$took" "$step" "no test marked cuda was collected"
-  elif [ "$rc" -eq 125 ]; then
-    record SKIPPED 0 "$step" "the ${TESTS_BUDGET} s budget of the CUDA tests is spent"
+  elif [ "$rc" -eq -1 ]; then
+    record SKIPPED 0 "$step" "not run: the time is spent (CUDA tests ${TESTS_BUDGET} s, all steps ${TOTAL_BUDGET} s)"
   else
     verdict "$step" "$outcome"
   fi
