@@ -1,0 +1,325 @@
+"""scripts/gpu_check.sh on a machine like the borrowed GPU image, and scripts/gpu_wheels.py's folder for it.
+
+The GPU image lacks albumentations and its closure; scripts/gpu_image/sitecustomize.py hides the development
+venv's copies of them (anything installed elsewhere, on PYTHONPATH, still imports), so the dry run here
+meets what the real run meets there. The wheel folder for these offline tests is repacked from the venv's
+installed distributions (the same files pip would unpack, for this interpreter), so they need no registry;
+the one test that downloads the real cp312 folder skips, with one line, when the registry is unreachable.
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import glob
+import hashlib
+import importlib.metadata
+import importlib.util
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+HIDER = ROOT / "scripts" / "gpu_image"
+OUT_FILES = {"summary.txt", "environment.txt", "cuda_tests.txt", "train.txt", "train_metrics.json", "benchmarks.txt",
+             "bench_syncbn_cuda.json", "bench_cuda.json"}
+FIXED_STEPS = ["environment", "deps", "train_gpu0", "train_ddp2", "bench_syncbn", "bench_cuda"]
+LINE = re.compile(r"^(PASS|FAIL|TIMEOUT|SKIPPED) +(\d+)s  (\S+) *(.*)$")
+
+
+def _load_gpu_wheels():
+    spec = importlib.util.spec_from_file_location("gpu_wheels_under_test", ROOT / "scripts" / "gpu_wheels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_wheels = _load_gpu_wheels()
+
+
+def cuda_test_files() -> list[str]:
+    """What gpu_check.sh runs: the test files that declare the cuda marker (one pytest run each)."""
+    marker = "mark." + "cuda"  # spelled apart so this file is not one of them
+    return sorted(str(p.relative_to(ROOT / "tests")) for p in (ROOT / "tests").rglob("test_*.py")
+                  if marker in p.read_text())
+
+
+def summary_lines(out: Path) -> dict[str, tuple[str, str]]:
+    """{step: (status, detail)} from summary.txt; each step exactly once."""
+    steps: dict[str, tuple[str, str]] = {}
+    for line in (out / "summary.txt").read_text().splitlines():
+        match = LINE.match(line)
+        if match:
+            status, _, step, detail = match.groups()
+            assert step not in steps, f"{step} reported twice:\n{(out / 'summary.txt').read_text()}"
+            steps[step] = (status, detail)
+    return steps
+
+
+def check_file_set(out: Path, steps: dict) -> None:
+    files = {p.relative_to(out).as_posix(): p.stat().st_size for p in out.rglob("*") if p.is_file()}
+    assert set(files) == OUT_FILES, sorted(files)
+    assert all(size < 16 * 2**20 for size in files.values()), files
+    expected = FIXED_STEPS[:2] + [f"cuda_tests:{f}" for f in cuda_test_files()] + FIXED_STEPS[2:]
+    assert list(steps) == expected, (out / "summary.txt").read_text()
+    for name in ("bench_syncbn_cuda.json", "bench_cuda.json"):
+        assert "gpu_check" in json.loads((out / name).read_text()), name
+    assert "finished with status" in (out / "summary.txt").read_text().splitlines()[-1]
+
+
+def repack(distribution: importlib.metadata.Distribution, folder: Path) -> Path:
+    """A wheel of an installed distribution: its RECORD's files (bytecode and scripts outside the
+    package left out), a fresh RECORD, the tags of its WHEEL file."""
+    tags = [line.split(":", 1)[1].strip() for line in distribution.read_text("WHEEL").splitlines()
+            if line.startswith("Tag:")]
+    parts = list(zip(*(tag.split("-") for tag in tags)))
+    tag = "-".join(".".join(sorted(set(part))) for part in parts)
+    name = re.sub(r"[-_.]+", "_", distribution.metadata["Name"]).lower()
+    path = folder / f"{name}-{distribution.version}-{tag}.whl"
+    record = io.StringIO()
+    writer = csv.writer(record, lineterminator="\n")
+    record_name = None
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for file in distribution.files:
+            relative = file.as_posix()
+            if relative.startswith("..") or "__pycache__" in relative or relative.endswith(".pyc"):
+                continue
+            if relative.endswith(".dist-info/RECORD"):
+                record_name = relative
+                continue
+            data = Path(distribution.locate_file(file)).read_bytes()
+            archive.writestr(relative, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            writer.writerow([relative, f"sha256={digest}", len(data)])
+        writer.writerow([record_name, "", ""])
+        archive.writestr(record_name, record.getvalue())
+    return path
+
+
+@pytest.fixture(scope="module")
+def venv_wheels(tmp_path_factory) -> Path:
+    """The pinned wheel set for THIS interpreter, repacked from the venv (no registry)."""
+    folder = tmp_path_factory.mktemp("venv_wheels")
+    for name in gpu_wheels.pinned():
+        repack(importlib.metadata.distribution(name), folder)
+    return folder
+
+
+def installed_pins() -> dict[str, str]:
+    return {name: importlib.metadata.version(name) for name in gpu_wheels.pinned()}
+
+
+def run_dry(tmp_path: Path, wheels: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """The dry run as the GPU image would see it, started outside the repository with a relative OUT."""
+    environment = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(HIDER), "TMPDIR": str(tmp_path)}
+    result = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--wheels", str(wheels), "out"], cwd=tmp_path,
+                            env=environment, capture_output=True, text=True, timeout=400)
+    return result, tmp_path / "out"
+
+
+def test_usage_names_every_step_and_file_and_rejects_bad_arguments(tmp_path):
+    usage = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 0
+    for name in [*OUT_FILES, *FIXED_STEPS, "cuda_tests", "--dry-run", "--wheels", "gpu_wheels.py"]:
+        assert name in usage.stdout, name
+    for arguments in ([], ["--bogus", "out"], ["a", "b"], ["--wheels"]):
+        result = subprocess.run(["bash", str(SCRIPT), *arguments], capture_output=True, text=True, timeout=30,
+                                cwd=tmp_path)
+        assert result.returncode == 2, (arguments, result.stderr)
+        assert "usage: scripts/gpu_check.sh" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing created on a usage error
+
+
+def test_the_hider_hides_the_venv_copies_only(tmp_path):
+    """With scripts/gpu_image first on PYTHONPATH albumentations does not import from site-packages,
+    and does from another folder on PYTHONPATH (where gpu_check.sh installs it)."""
+    code = "import importlib, sys\ntry:\n    importlib.import_module(sys.argv[1])\nexcept ModuleNotFoundError:\n" \
+           "    print('hidden')\nelse:\n    print('found')"
+    hidden = dict(os.environ, PYTHONPATH=str(HIDER))
+    for name in gpu_wheels.hidden_modules():
+        assert subprocess.run([sys.executable, "-c", code, name], env=hidden, capture_output=True, text=True,
+                              timeout=60).stdout.strip() == "hidden", name
+    assert "albumentations" in gpu_wheels.hidden_modules() and "numpy" not in gpu_wheels.hidden_modules()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "albumentations").mkdir(parents=True)
+    (elsewhere / "albumentations" / "__init__.py").write_text("")
+    moved = dict(os.environ, PYTHONPATH=f"{elsewhere}{os.pathsep}{HIDER}")
+    assert subprocess.run([sys.executable, "-c", code, "albumentations"], env=moved, capture_output=True, text=True,
+                          timeout=60).stdout.strip() == "found"
+
+
+def test_wheel_check_accepts_the_closure_and_names_what_is_missing(venv_wheels, tmp_path):
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    pins = installed_pins()
+    assert gpu_wheels.check(venv_wheels, python_version=version, pins=pins) == []
+    # the hider hides exactly the folder's modules the image does not have
+    modules = set()
+    for wheel in venv_wheels.glob("*.whl"):
+        name = gpu_wheels.normalize(wheel.name.split("-")[0])
+        if name not in gpu_wheels.IMAGE_HAS:
+            modules |= gpu_wheels.wheel_metadata(wheel)[1]
+    assert modules == set(gpu_wheels.hidden_modules())
+
+    broken = tmp_path / "broken"
+    shutil.copytree(venv_wheels, broken)
+    next(broken.glob("simsimd-*.whl")).unlink()
+    problems = "\n".join(gpu_wheels.check(broken, python_version=version, pins=pins))
+    assert "simsimd" in problems and "albucore" in problems  # pinned, and albucore's requirement
+    wrong_pin = gpu_wheels.check(venv_wheels, python_version=version, pins={**pins, "pydantic": "0.0.1"})
+    assert any("pinned pydantic==0.0.1" in problem for problem in wrong_pin)
+    compiled = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert any(compiled in problem and "does not install on CPython 3.9" in problem
+               for problem in gpu_wheels.check(venv_wheels, python_version="3.9", pins=pins))
+
+
+@pytest.mark.slow
+def test_dry_run_without_wheels_reports_every_step_and_keeps_going(tmp_path):
+    """Missing albumentations and no wheels: deps fails with what to do, the torch-only CUDA tests and
+    the layer part of bench_cuda still run, and bench_cuda's JSON records the engine's ImportError."""
+    empty = tmp_path / "no_wheels"
+    empty.mkdir()
+    result, out = run_dry(tmp_path, empty)
+    assert result.returncode == 1, result.stdout + result.stderr
+    steps = summary_lines(out)
+    check_file_set(out, steps)
+    status, detail = steps["deps"]
+    assert status == "FAIL" and "albumentations" in detail and "gpu_wheels.py" in detail
+    assert steps["cuda_tests:model/sync_batchnorm/test_cuda.py"][0] == "SKIPPED"  # ran: the tests skip themselves
+    assert steps["train_gpu0"] == ("SKIPPED", "the runtime requirements do not import (deps)")
+    assert steps["train_ddp2"][0] == "SKIPPED"
+    assert steps["bench_cuda"][0] == "FAIL"
+    record = json.loads((out / "bench_cuda.json").read_text())
+    assert record["single_process"] and record["targets"]  # the layer part survived
+    assert "albumentations" in record["training"]["error"]
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    assert set(metrics) == {"train_gpu0", "train_ddp2"} and metrics["train_gpu0"]["outcome"] == "not run"
+    assert not list(tmp_path.glob("gpu_check.*"))  # the work folder is gone
+
+
+@pytest.mark.slow
+def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_wheels):
+    """Missing albumentations, wheels at hand: deps installs them into a private folder, and every later
+    step (pytest collection, train.py, bench_cuda's engine import) imports them from there."""
+    result, out = run_dry(tmp_path, venv_wheels)
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = summary_lines(out)
+    check_file_set(out, steps)
+    wheel_count = len(list(venv_wheels.glob("*.whl")))
+    assert steps["deps"] == ("PASS", f"installed {wheel_count} wheels from {venv_wheels} into a private folder on "
+                                     "PYTHONPATH; the runtime requirements import")
+    environment = (out / "environment.txt").read_text()
+    assert re.search(r"^albumentations \S+ .*gpu_check\.\w+/site/albumentations/__init__\.py$", environment, re.M)
+    assert all(status == "SKIPPED" for step, (status, _) in steps.items() if step not in ("environment", "deps"))
+    assert "1-iteration CPU run" in steps["train_gpu0"][1]
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    gpu0 = metrics["train_gpu0"]
+    assert gpu0["outcome"] == "done" and gpu0["dry_run"] is True
+    assert [r["type"] for r in gpu0["metrics"]] == ["train", "val"]
+    assert "last.pt" in gpu0["run_files"]  # listed, not copied
+    assert "engine imports" in json.loads((out / "bench_cuda.json").read_text())["training"]["skipped"]
+    assert not list(tmp_path.glob("gpu_check.*"))
+
+
+@pytest.mark.slow
+def test_a_step_past_its_time_is_stopped_and_the_rest_reported(tmp_path):
+    """GPU_CHECK_SECONDS=20 and a train.py that hangs (a PYTHON wrapper sleeps instead; pytest answers at
+    once): the training is stopped at the deadline (TIMEOUT), the steps after it are recorded as not run,
+    every file is there, and the whole run ends within the budget plus timeout's kill grace."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"""#!/bin/bash
+for argument in "$@"; do
+  case $argument in
+    train.py) exec sleep 300 ;;
+    pytest) echo "1 passed in 0.01s"; exit 0 ;;
+  esac
+done
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    environment = {**os.environ, "PYTHON": str(wrapper), "GPU_CHECK_SECONDS": "20", "TMPDIR": str(tmp_path)}
+    started = time.monotonic()
+    result = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(tmp_path / "out")], env=environment,
+                            capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - started
+    out = tmp_path / "out"
+    steps = summary_lines(out)
+    check_file_set(out, steps)
+    assert result.returncode == 1
+    assert steps["train_gpu0"][0] == "TIMEOUT" and steps["train_gpu0"][1].startswith("stopped after"), result.stdout
+    for step in ("bench_syncbn", "bench_cuda"):
+        assert steps[step] == ("SKIPPED", "not run: the 20 s budget of all steps is spent"), result.stdout
+    assert json.loads((out / "train_metrics.json").read_text())["train_gpu0"]["outcome"] == "timed out"
+    assert json.loads((out / "bench_cuda.json").read_text())["gpu_check"]["outcome"].startswith("not run")
+    assert elapsed < 20 + 10 + 15, elapsed  # budget, timeout's kill grace, the bookkeeping
+    assert not list(tmp_path.glob("gpu_check.*"))
+
+
+@pytest.fixture(scope="module")
+def downloaded_wheels(tmp_path_factory) -> Path:
+    """scripts/gpu_wheels.py's real folder for the GPU image (CPython 3.12), downloaded once a module."""
+    folder = tmp_path_factory.mktemp("gpu_wheels") / "wheels"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_wheels.py"), str(folder)],
+                            capture_output=True, text=True, timeout=900)
+    if result.returncode == 3:
+        pytest.skip(f"the package registry is unreachable: {result.stderr.strip().splitlines()[-1]}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return folder
+
+
+@pytest.mark.slow
+def test_gpu_wheels_folder_installs_offline_into_a_clean_312_target(downloaded_wheels, tmp_path):
+    files = sorted(downloaded_wheels.iterdir())
+    assert {gpu_wheels.normalize(p.name.split("-")[0]) for p in files} == set(gpu_wheels.pinned())
+    assert sum(p.stat().st_size for p in files) < 16 * 2**20
+    assert gpu_wheels.check(downloaded_wheels, python_version="3.12") == []
+    target = tmp_path / "target"
+    installed = gpu_wheels.pip_offline_install(downloaded_wheels, target, python_version="3.12")
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    for module in gpu_wheels.hidden_modules():
+        assert list(target.glob(f"{module}*")), module
+    assert list(target.glob("pydantic_core/_pydantic_core.cpython-312-x86_64-linux-gnu.so"))
+    # a folder with a wheel missing is refused before anything is installed
+    broken = tmp_path / "broken"
+    shutil.copytree(downloaded_wheels, broken)
+    next(broken.glob("pydantic_core-*.whl")).unlink()
+    assert subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_wheels.py"), "--check-only", str(broken)],
+                          capture_output=True, text=True, timeout=300).returncode == 1
+
+
+def _python_312() -> str | None:
+    candidates = [shutil.which("python3.12"),
+                  *glob.glob(os.path.join(os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv")),
+                                          "versions", "3.12*", "bin", "python3.12"))]
+    for candidate in filter(None, candidates):
+        probe = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2] == (3, 12))"],
+                               capture_output=True, text=True, timeout=60)
+        if probe.stdout.strip() == "True":
+            return candidate
+    return None
+
+
+@pytest.mark.slow
+def test_gpu_wheels_compiled_parts_import_on_python_312(downloaded_wheels, tmp_path):
+    """The cp312 wheels that need no numpy (pydantic and its core, stringzilla, simsimd) install with a
+    real CPython 3.12's own pip, offline, and import there."""
+    python = _python_312()
+    if python is None:
+        pytest.skip("no CPython 3.12 on this machine")
+    target = tmp_path / "site"
+    install = subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target",
+                              str(target), *map(str, downloaded_wheels.glob("*.whl"))],
+                             capture_output=True, text=True, timeout=300, env=dict(os.environ, PIP_ROOT_USER_ACTION="ignore"))
+    assert install.returncode == 0, install.stderr
+    code = "import pydantic, pydantic_core, stringzilla, simsimd, typing_inspection; print(pydantic.VERSION)"
+    imported = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(target)))
+    assert imported.stdout.strip() == gpu_wheels.pinned()["pydantic"], imported.stderr
