@@ -160,7 +160,7 @@ verdict() {
   esac
 }
 
-# note_json FILE STEP: adds the step's outcome to a benchmark's JSON (a record of its own when the
+# note_json FILE: adds the last `bounded` run's outcome to a benchmark's JSON (a record of its own when the
 # benchmark wrote none or an unreadable one), so each JSON says how its step ended.
 note_json() {
   "$py" - "$1" "$rc" "$took" "$dry_run" <<'EOF_PY' || echo "{\"gpu_check\": {\"exit_status\": $rc}}" > "$1"
@@ -212,7 +212,8 @@ EOF_PY
 }
 
 # ---------------------------------------------------------------------------------------------- environment
-gpus=0
+env_start=$SECONDS
+gpus=0 torch_summary=""
 {
   echo "host: $(uname -a)"
   echo "started in: $root; OUTPUT_DIR: $out; work folder: $work"
@@ -230,14 +231,15 @@ if [ "$rc" -eq 0 ]; then
   torch_summary=$(grep '^torch_summary: ' "$env_log" | tail -n 1 | cut -d' ' -f2-)
   gpus=$(grep '^gpu_count: ' "$env_log" | tail -n 1 | cut -d' ' -f2)
 fi
+case $gpus in ''|*[!0-9]*) gpus=0 ;; esac
 echo "--- pip list" >> "$env_log"
 timeout 60 "$py" -m pip list >> "$env_log" 2>&1 || echo "(pip list failed)" >> "$env_log"
 if [ "$rc" -ne 0 ]; then
   verdict environment "torch does not import with $py (environment.txt)"
 elif [ $dry_run = 0 ] && [ "$gpus" -lt 1 ]; then
-  record FAIL "$took" environment "$torch_summary: no CUDA device visible (on a CPU machine, use --dry-run)"
+  record FAIL $((SECONDS - env_start)) environment "${torch_summary:-torch imports}: no CUDA device visible (on a CPU machine, use --dry-run)"
 else
-  record PASS "$took" environment "$torch_summary"
+  record PASS $((SECONDS - env_start)) environment "${torch_summary:-torch imports}"
 fi
 
 # ---------------------------------------------------------------------------------------------- deps
@@ -271,8 +273,13 @@ else
   if [ ${#wheel_files[@]} -eq 0 ]; then
     record FAIL $((SECONDS - deps_start)) deps "missing: $missing; no wheels in $wheels (run python scripts/gpu_wheels.py where PyPI is reachable and bring that folder: carry=['.gpu_wheels'])"
   else
-    bounded 120 "$env_log" "$py" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check \
-      --target "$work/site" "${wheel_files[@]}"
+    # pip with the command line's settings alone: the image's pip.conf or PIP_* variables (a constraint,
+    # --user, an index) must not change an offline install into a private folder
+    pip_env=(env)
+    for name in $(compgen -e | grep '^PIP_'); do pip_env+=(-u "$name"); done
+    pip_env+=(PIP_CONFIG_FILE=/dev/null PIP_ROOT_USER_ACTION=ignore)
+    bounded 120 "$env_log" "${pip_env[@]}" "$py" -m pip install --no-index --no-deps --no-compile \
+      --disable-pip-version-check --target "$work/site" "${wheel_files[@]}"
     if [ "$rc" -ne 0 ]; then
       verdict deps "pip could not install the ${#wheel_files[@]} wheels of $wheels (environment.txt); missing: $missing"
     else
