@@ -9,7 +9,7 @@ set -uo pipefail
 
 usage() {
   cat <<'EOF_USAGE'
-usage: scripts/gpu_check.sh [--dry-run] [--wheels DIR] OUTPUT_DIR
+usage: scripts/gpu_check.sh OUTPUT_DIR [--dry-run] [--wheels DIR]
 
 Runs, each step under its own timeout and all within 7.5 minutes (a step that fails or times out is
 recorded and the next one runs):
@@ -36,7 +36,7 @@ Options:
                  `python scripts/gpu_wheels.py` where PyPI is reachable; the device tool copies it
                  only when the call names it: carry=['.gpu_wheels'])
   --dry-run      for a CPU machine: runs the same steps' plumbing (environment, deps with its install,
-                 the CUDA test files, which skip themselves, bench_cuda on tiny CPU shapes, a 1-iteration
+                 each CUDA test file, whose tests skip themselves, bench_cuda on tiny CPU shapes, a 1-iteration
                  CPU training, `--help` of bench_syncbn) and records each GPU step as SKIPPED with why,
                  writing the same files. To rehearse the GPU image here (its missing packages hidden,
                  installed from wheels for this machine's Python, e.g. 3.11):

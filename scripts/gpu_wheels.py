@@ -53,12 +53,12 @@ MAX_FOLDER_BYTES = 32 * 2**20  # the device tool carries 64 MiB in all; the whee
 
 
 def _packaging():
-    """packaging's modules: the installed package, else the copy vendored inside pip."""
+    """(requirements, tags, utils) of packaging: the installed package, else the copy vendored in pip."""
     try:
-        from packaging import markers, requirements, specifiers, tags, utils
+        from packaging import requirements, tags, utils
     except ImportError:  # pragma: no cover - depends on the interpreter
-        from pip._vendor.packaging import markers, requirements, specifiers, tags, utils
-    return markers, requirements, specifiers, tags, utils
+        from pip._vendor.packaging import requirements, tags, utils
+    return requirements, tags, utils
 
 
 def normalize(name: str) -> str:
@@ -92,7 +92,7 @@ def _environment(python_version: str) -> dict[str, str]:
 
 
 def _supported_tags(python_version: str) -> set:
-    tags = _packaging()[3]
+    tags = _packaging()[1]
     interpreter = "cp" + python_version.replace(".", "")
     return set(tags.cpython_tags(tuple(int(p) for p in python_version.split(".")), platforms=MANYLINUX)) | set(
         tags.compatible_tags(tuple(int(p) for p in python_version.split(".")), interpreter=interpreter,
@@ -120,7 +120,7 @@ def wheel_metadata(path: Path):
 
 def check(folder: Path, *, python_version: str = PYTHON_VERSION, pins: dict[str, str] | None = None) -> list[str]:
     """Everything wrong with `folder` as the wheel set for the image (empty: ready)."""
-    markers, requirements, _, _, utils = _packaging()
+    requirements, _, utils = _packaging()
     pins = pinned() if pins is None else pins
     problems = []
     wheels = sorted(folder.glob("*.whl"))
@@ -275,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     excluded = _exclude_from_git(folder)
     print(f"{folder}: ready for CPython {args.python_version} / manylinux x86-64, installs offline\n{report(folder)}")
     if excluded:
-        print(f"{excluded} is in .git/info/exclude: it is never committed, and the device tool copies it only "
-              f"when the call names it: run(command='scripts/gpu_check.sh $OUT', carry=['{excluded}'])")
+        print(f"{excluded} is in .git/info/exclude, so it is never committed; bring it to the GPU machine with the "
+              f"repository (a copy of tracked and not-ignored files must be told to carry it, e.g. the device "
+              f"tool's run(command='scripts/gpu_check.sh $OUT', carry=['{excluded}']))")
     return 0
 
 
