@@ -105,6 +105,9 @@ class ModelConfig:
     aux_loss: bool = False  # auxiliary FCN head on layer3
     aspp_rates: tuple[int, ...] = _limited((), _POSITIVE)  # () = from output_stride (6/12/18 at 16, 12/24/36 at 8)
     head_channels: int = _limited(256, _POSITIVE)  # ASPP / decoder width
+    # dropout after the ASPP projection (DeepLab's and torchvision's 0.5); short runs from scratch learn
+    # faster without it (the demo: val mIoU 0.26 -> 0.38 after 375 iterations)
+    aspp_dropout: float = _limited(0.5, Limit(ge=0, le=0.9))
     channels_last: bool = False
 
 

@@ -25,16 +25,16 @@ logger = logging.getLogger(__name__)
 
 
 def _build_deeplabv3_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
-                          norm_layer: NormLayer) -> nn.Module:
+                          norm_layer: NormLayer, *, dropout: float) -> nn.Module:
     return DeepLabV3Head(backbone.out_channels, num_classes, atrous_rates=rates, channels=channels,
-                         norm_layer=norm_layer)
+                         norm_layer=norm_layer, dropout=dropout)
 
 
 def _build_deeplabv3plus_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
-                              norm_layer: NormLayer) -> nn.Module:
+                              norm_layer: NormLayer, *, dropout: float) -> nn.Module:
     return DeepLabV3PlusHead(
         backbone.out_channels, num_classes, low_level_channels=backbone.low_level_channels, atrous_rates=rates,
-        channels=channels, norm_layer=norm_layer,
+        channels=channels, norm_layer=norm_layer, dropout=dropout,
     )
 
 
@@ -62,7 +62,7 @@ def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
         norm_layer=backbone_norm,
         pretrained=str(model_cfg.pretrained_backbone or "none"),
     )
-    classifier = HEADS[arch](backbone, num_classes, rates, channels, head_norm)
+    classifier = HEADS[arch](backbone, num_classes, rates, channels, head_norm, dropout=model_cfg.aspp_dropout)
     aux_classifier = FCNHead(backbone.aux_channels, num_classes, norm_layer=head_norm) if model_cfg.aux_loss else None
     channels_last = bool(model_cfg.channels_last)
     model = DeepLab(backbone, classifier, aux_classifier=aux_classifier, channels_last=channels_last)

@@ -131,9 +131,10 @@ class DeepLabV3Head(nn.Sequential):
         atrous_rates: Sequence[int],
         channels: int = 256,
         norm_layer: NormLayer = nn.BatchNorm2d,
+        dropout: float = 0.5,
     ) -> None:
         super().__init__(
-            ASPP(in_channels, atrous_rates, out_channels=channels, norm_layer=norm_layer),
+            ASPP(in_channels, atrous_rates, out_channels=channels, norm_layer=norm_layer, dropout=dropout),
             nn.Conv2d(channels, channels, 3, padding=1, bias=False),
             norm_layer(channels),
             nn.ReLU(),
@@ -164,9 +165,10 @@ class DeepLabV3PlusHead(nn.Module):
         channels: int = 256,
         low_level_projection: int = 48,
         norm_layer: NormLayer = nn.BatchNorm2d,
+        dropout: float = 0.5,
     ) -> None:
         super().__init__()
-        self.aspp = ASPP(in_channels, atrous_rates, out_channels=channels, norm_layer=norm_layer)
+        self.aspp = ASPP(in_channels, atrous_rates, out_channels=channels, norm_layer=norm_layer, dropout=dropout)
         self.low_level_project = nn.Sequential(
             nn.Conv2d(low_level_channels, low_level_projection, 1, bias=False),
             norm_layer(low_level_projection),

@@ -17,7 +17,7 @@ recorded and the next one runs):
   deps          imports the runtime requirements; when one fails, installs the wheels in DIR offline
                 (pip --no-index --no-deps --target) into a private temporary folder put on PYTHONPATH
   cuda_tests    every test file that declares CUDA tests, one pytest run per file (-m cuda)
-  train_gpu0    60 iterations of the demo on GPU 0, fp16 AMP
+  train_gpu0    60 iterations of the demo on GPU 0, train.amp=auto (bf16 or fp16+GradScaler)
   train_ddp2    the same as a 2-process torchrun (NCCL); skipped with fewer than 2 GPUs
   bench_syncbn  benchmarks.bench_syncbn --device cuda
   bench_cuda    benchmarks.bench_cuda: SyncBN against torch's layers, training images/s and memory
@@ -337,10 +337,10 @@ for file in "${cuda_tests[@]}"; do
 done
 
 # ---------------------------------------------------------------------------------------------- training
-# Issue 6: 60 iterations of the demo on GPU 0 with fp16 AMP + GradScaler, then as a 2-process torchrun
+# Issue 6: 60 iterations of the demo on GPU 0 with train.amp=auto (bf16 where the GPU has it, else fp16 + GradScaler), then as a 2-process torchrun
 # (NCCL, SyncBN through torch.distributed) with 2 GPUs. The run folders (checkpoints of ~155 MB) stay in
 # the work folder; only their metrics come back.
-train_args=(train.iters=60 train.amp=fp16 train.val_interval=60 train.ckpt_interval=60 train.log_interval=20
+train_args=(train.iters=60 train.amp=auto train.val_interval=60 train.ckpt_interval=60 train.log_interval=20
             data.num_workers=4 data.synthetic_train_size=1000 data.synthetic_val_size=50)
 dry_train_args=(train.iters=1 train.val_interval=1 train.ckpt_interval=1 train.log_interval=1 train.batch_size=2
                 train.amp=off eval.amp=off data.num_workers=0 data.synthetic_train_size=4 data.synthetic_val_size=2
@@ -368,7 +368,7 @@ else
     train train_gpu0 "" "no CUDA device; a 1-iteration CPU run checked train.py, its run folder and the metrics copy" \
       "$py" train.py --config demo.yaml output_dir="$work/runs/train_gpu0" "${dry_train_args[@]}"
   else
-    train train_gpu0 "60 iterations, fp16" "" \
+    train train_gpu0 "60 iterations, amp auto" "" \
       "$py" train.py --config demo.yaml --gpus 0 output_dir="$work/runs/train_gpu0" "${train_args[@]}"
   fi
   if [ $dry_run = 1 ]; then
@@ -376,7 +376,7 @@ else
   elif [ "$gpus" -lt 2 ]; then
     not_run train_ddp2 "needs 2 GPUs; $gpus here"
   else
-    train train_ddp2 "2 processes, 60 iterations, fp16" "" \
+    train train_ddp2 "2 processes, 60 iterations, amp auto" "" \
       env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "$py" -m torch.distributed.run --standalone --nproc_per_node 2 \
       train.py --config demo.yaml output_dir="$work/runs/train_ddp2" "${train_args[@]}"
   fi

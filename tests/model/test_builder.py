@@ -288,3 +288,12 @@ def test_unwrap_model_strips_wrappers(tmp_path):
         gc.collect()  # DDP sits in reference cycles: a live DDP during destroy_process_group can abort gloo at exit
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["deeplabv3", "deeplabv3plus"])
+def test_aspp_dropout_follows_the_config_and_keeps_the_state_dict(arch):
+    default = build_model(small(arch=arch), 3)
+    without = build_model(small(arch=arch, aspp_dropout=0.0), 3)
+    assert [m.p for m in default.classifier.modules() if isinstance(m, nn.Dropout)] == [0.5]
+    assert [m.p for m in without.classifier.modules() if isinstance(m, nn.Dropout)] == [0.0]
+    assert default.state_dict().keys() == without.state_dict().keys()
