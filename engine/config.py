@@ -19,7 +19,7 @@ from model.timm_encoder import TIMM_PREFIX
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # autocast for training (train.amp) and inference (eval.amp); auto: by the device's capability
-# (engine.distributed.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32)
+# (engine.precision.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32)
 Precision = Literal["auto", "off", "fp16", "bf16"]
 
 

@@ -8,7 +8,6 @@ eval.amp) is engine.precision's.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import inspect
@@ -25,7 +24,6 @@ from torch import nn
 from model.sync_batchnorm import DataParallelWithCallback
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)

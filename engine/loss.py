@@ -54,7 +54,7 @@ class SegmentationLoss(nn.Module):
 
     def head_terms(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, weight sum) for logits N x C x H x W (any float dtype) and target N x H x W."""
-        logits = logits if logits.dtype == torch.float64 else logits.float()  # float64 for numeric checks
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> float32; float64 stays
         num_classes = logits.shape[1]
         weights = self.class_weights
         if weights is not None:

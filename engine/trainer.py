@@ -282,7 +282,7 @@ class Trainer:
         if not self._pending_losses:
             return
         values = torch.stack([loss for _, loss in self._pending_losses])
-        values = values if values.dtype == torch.float64 else values.float()
+        values = values.to(torch.promote_types(values.dtype, torch.float32))  # float64 losses stay float64
         all_reduce_sum(values)
         for (iteration, _), value in zip(self._pending_losses, values.cpu().tolist()):
             if not math.isfinite(value):

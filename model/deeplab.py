@@ -11,8 +11,8 @@ from torch.nn import functional as F
 class DeepLab(nn.Module):
     """A DeepLabV3 / V3+ segmentation network.
 
-    `forward(x)` takes a normalized float tensor N x 3 x H x W (cast to the model's dtype) and returns {"out": logits N x C x H x W}
-    plus "aux" (same shape) when an aux classifier is present; logits are upsampled bilinearly
+    `forward(x)` takes a normalized float tensor N x 3 x H x W (cast to the model's dtype) and returns
+    {"out": logits N x C x H x W} plus "aux" (same shape) when an aux classifier is present; logits are upsampled bilinearly
     (align_corners=False) to the input's H x W, whatever the output stride. Attribute names
     (`backbone`, `classifier`, `aux_classifier`) equal torchvision's DeepLabV3, so for the deeplabv3
     architecture torchvision's state dict keys are ours unchanged. With `channels_last` the input is
