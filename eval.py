@@ -134,10 +134,10 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     """Evaluate; returns (the JSON record written by rank 0 with --output, evaluate()'s metrics)."""
     from data import build_dataset
     from engine.checkpoint import load_inference_model
-    from engine.distributed import inference_device
-    from engine.precision import log_precision
+    from engine.devices import inference_device
+    from engine.devices import log_precision
     from engine.evaluate import evaluate
-    from engine.samplers import build_eval_loader
+    from engine.evaluate import build_eval_loader
 
     is_main = dist_info is None or dist_info.is_main
     device = inference_device(args.device, dist_info)
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
 def print_config(args: argparse.Namespace) -> int:
     """--print-config: the checkpoint's config with the overrides and flags, read without its tensors."""
     from engine.checkpoint import peek_checkpoint
-    from engine.config_io import config_yaml, inference_config
+    from engine.config import config_yaml, inference_config
 
     try:
         if not Path(args.checkpoint).is_file():
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if is_main:
         print(format_table(record["classes"], metrics))
         if args.output:
-            from engine.files import write_atomically
+            from engine.atomic import write_atomically
 
             output, text = Path(args.output), (json.dumps(record, indent=2) + "\n").encode()
             try:  # atomically: an earlier report at that path stays whole if this one cannot be written

@@ -49,8 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def print_config(args: argparse.Namespace) -> int:
     """--print-config: the resolved config on stdout (0), or the error in one line (2)."""
-    from engine.config_io import config_yaml
-    from engine.run_dir import resolved_config
+    from engine.config import config_yaml
+    from engine.run_plan import resolved_config
 
     try:
         config, origin = resolved_config(args.config, args.resume, args.overrides)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         return print_config(args)
     from engine.distributed import cleanup, detect_launch, is_communication_error, setup_distributed
-    from engine.run_dir import dist_timeout, plan_run
+    from engine.run_plan import dist_timeout, plan_run
     from engine.trainer import Trainer
 
     try:

@@ -156,7 +156,7 @@ def two_processes(repeats: int) -> tuple[list[dict], list[dict]]:
 def _import_trainer():
     """The engine's entry points part 3 needs: imported only then (they need the runtime requirements,
     albumentations included, where parts 1 and 2 need torch alone)."""
-    from engine.config_io import load_config
+    from engine.config import load_config
     from engine.distributed import setup_distributed
     from engine.trainer import Trainer
 

@@ -2,7 +2,7 @@
 
 Confusion matrix (a batch of 8 x 513 x 513 with 21 classes, ~10% ignore pixels), variants timed
 interleaved over several rounds:
-  ours_int64      engine.metrics.ConfusionMatrix.update on int64 prediction and target (as from argmax / masks)
+  ours_int64      engine.confusion.ConfusionMatrix.update on int64 prediction and target (as from argmax / masks)
   ours_uint8      the same with a uint8 target
   numpy_bincount  the classic numpy implementation: mask = (t >= 0) & (t < C); bincount(C * t[mask] + p[mask])
   torch_masked    the same in torch with boolean masking (what a first torch port usually looks like)
@@ -32,7 +32,7 @@ from benchmarks.common import environment, judge, paired, print_targets, stable_
 from benchmarks.common import write_record
 from engine.config import ModelConfig
 from engine.inference import predict, window_starts
-from engine.metrics import ConfusionMatrix
+from engine.confusion import ConfusionMatrix
 from model.builder import build_model
 
 

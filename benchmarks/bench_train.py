@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     from data.transforms import normalize_batch
-    from engine.config_io import load_config
+    from engine.config import load_config
     from engine.distributed import setup_distributed
-    from engine.precision import autocast_for
+    from engine.devices import autocast_for
     from engine.samplers import train_batches
     from engine.trainer import Trainer
 

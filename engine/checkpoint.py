@@ -1,12 +1,12 @@
 """Checkpoints: the only place that calls torch.save / torch.load, and loading one into a model on a device.
 
 A checkpoint is a dict of primitives and tensors (DESIGN.md): `format_version`, `model` (unwrapped
-state dict), `config` (engine.config_io.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
+state dict), `config` (engine.config.io.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
 `run_id`, and in last.pt also what a resume needs (`optimizer`, `scheduler`, `scaler`, `rng`,
 `overrides`). best.pt is the file people keep and share: `WEIGHTS_KEYS` plus the validation
 `metrics` that made it the best, no optimizer state (a third of last.pt with AdamW, whose two
 moments are each as large as the weights). It loads with `weights_only=True`, so no pickled classes.
-Files are written atomically (engine.files: a temporary file in the same folder, fsync, os.replace), so an
+Files are written atomically (engine.atomic: a temporary file in the same folder, fsync, os.replace), so an
 existing checkpoint is either the old one or the new one, never half-written; they get the mode a
 plain `open()` would give (0644 under umask 022), so teammates on a shared cluster can read them.
 A `.safetensors` file written by `scripts/export.py --format safetensors` loads here too.
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from engine.config import Config
-from engine.config_io import from_dict, inference_config
-from engine.files import write_atomically
+from engine.config import from_dict, inference_config
+from engine.atomic import write_atomically
 from model.builder import LoadedWeights, build_model, load_segmentation_weights, state_dict_problems
 
 logger = logging.getLogger(__name__)

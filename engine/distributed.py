@@ -1,10 +1,9 @@
-"""Devices: CPU, one process over several GPUs (DataParallel), or torchrun (DDP); precision; rank helpers.
+"""Training topology: CPU, one process over several GPUs (DataParallel), or torchrun/srun (DDP); collectives.
 
 `setup_distributed(gpus)` decides the training topology once, from the `--gpus` value and the torchrun
 environment (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`), and returns a `DistInfo`. The rest of the engine
 asks `DistInfo` (or the helpers below, which read torch.distributed) instead of the environment.
-`inference_device(name)` is the one parser of `--device` for eval.py and predict.py. Precision (train.amp,
-eval.amp) is engine.precision's.
+Parsing `--gpus` and `--device`, and precision, are engine.devices's.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.devices import parse_gpus
 from model.sync_batchnorm import DataParallelWithCallback
 
 logger = logging.getLogger(__name__)
@@ -85,21 +85,6 @@ class DistInfo:
             return "not synchronized (per process)" if self.mode == "ddp" else "not synchronized (per GPU)"
         return ("across the processes through torch.distributed" if self.mode == "ddp"
                 else "across the GPUs (DataParallelWithCallback)")
-
-
-def parse_gpus(gpus: str) -> tuple[int, ...]:
-    """`"0,1,3"` -> (0, 1, 3). Raises ValueError naming the value when it is not a list of ids."""
-    parts = [p.strip() for p in gpus.split(",") if p.strip()]
-    if not parts:
-        raise ValueError(f"--gpus {gpus!r}: expected comma-separated GPU ids such as 0,1 (or 'cpu')")
-    ids = []
-    for part in parts:
-        if not part.isdigit():
-            raise ValueError(f"--gpus {gpus!r}: '{part}' is not a GPU id; expected comma-separated integers such as 0,1")
-        ids.append(int(part))
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"--gpus {gpus!r}: a GPU id is listed twice")
-    return tuple(ids)
 
 
 def _int_variable(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -280,33 +265,6 @@ def compile_for_training(model: nn.Module, dist_info: DistInfo, *, enabled: bool
                          f"{','.join(map(str, dist_info.device_ids))}); use torchrun with one process per GPU, or "
                          "train.compile=false")
     return torch.compile(model)
-
-
-def inference_device(name: str | None, dist_info: DistInfo | None = None) -> torch.device:
-    """The device for eval.py / predict.py: `name` (cpu, cuda, cuda:N; None = cuda if available, else
-    cpu), or this process's device under torchrun. ValueError naming the value when it cannot be used."""
-    if dist_info is not None and dist_info.mode == "ddp":
-        if name is not None:
-            raise ValueError(f"--device {name} cannot be combined with torchrun: each process uses "
-                             "cuda:LOCAL_RANK (or the CPU without CUDA)")
-        return dist_info.device
-    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a device; expected cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        if device.index is None:
-            # plain "cuda" is the current device; set_device rejects a device without an index
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        torch.cuda.set_device(device)
-    elif device.type != "cpu":
-        raise ValueError(f"--device {name!r}: expected cpu, cuda or cuda:N")
-    return device
 
 
 _COMMUNICATION_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset", "timed out",

@@ -1,9 +1,10 @@
-"""evaluate(): the one evaluation loop, used by train.py's validation and by eval.py.
+"""evaluate(): the one evaluation loop, used by train.py's validation and by eval.py, and its loader
+(build_eval_loader over a ShardSampler).
 
 The loader yields (uint8 images N x 3 x H x W, int64 masks N x H x W); images are normalized on the
 device with data.transforms.normalize_batch, predicted with engine.inference.predict, and counted in
 one ConfusionMatrix on the device. Under torch.distributed each process evaluates a disjoint shard
-(engine.samplers.ShardSampler, which never pads, unlike torch's DistributedSampler) and the matrices
+(ShardSampler, which never pads, unlike torch's DistributedSampler) and the matrices
 are summed, so every image is counted exactly once.
 """
 from __future__ import annotations
@@ -11,24 +12,61 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.transforms import height_width, normalize_batch
-from engine.distributed import all_reduce_sum, get_rank
-from engine.precision import autocast_for
+from engine.distributed import all_reduce_sum, get_rank, get_world_size
+from engine.devices import autocast_for
 from engine.inference import predict
-from engine.metrics import ConfusionMatrix
+from engine.confusion import ConfusionMatrix
+from engine.seeding import worker_init
 
 logger = logging.getLogger(__name__)
+
+
+class ShardSampler(Sampler[int]):
+    """Indices rank, rank + world_size, ... of range(num_samples), in order, without padding.
+
+    Shards are disjoint and together cover every index once; their lengths differ by at most one.
+    rank / world_size default to torch.distributed's (0 / 1 when it is not initialized).
+    """
+
+    def __init__(self, num_samples: int, *, rank: int | None = None, world_size: int | None = None):
+        self.rank = get_rank() if rank is None else rank
+        self.world_size = get_world_size() if world_size is None else world_size
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"ShardSampler: rank={self.rank} must lie in [0, world_size={self.world_size})")
+        self.num_samples = num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.num_samples, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_samples, self.world_size))
+
+
+def build_eval_loader(
+    dataset: Dataset, *, batch_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
+    rank: int | None = None, world_size: int | None = None, seed: int = 0,
+) -> DataLoader:
+    """A DataLoader over this process's ShardSampler shard, in dataset order, no shuffling or padding.
+
+    batch_size > 1 needs images of one size (the default collate stacks them). Its own generator keeps
+    it from drawing on the global RNG (a validation must not shift training's random stream).
+    """
+    sampler = ShardSampler(len(dataset), rank=rank, world_size=world_size)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, drop_last=False, persistent_workers=False, worker_init_fn=worker_init,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def check_batching(dataset: Any, batch_size: int, *, key: str) -> None:

@@ -1,9 +1,36 @@
-"""The optimizer over model.builder's parameter groups, and the poly learning-rate schedule with warmup."""
+"""The optimizer: parameter groups (backbone / head), SGD or AdamW over them, and the poly learning-rate
+schedule with warmup."""
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 import torch
+from torch import nn
+
+from model.builder import unwrap_model
+
+
+def build_param_groups(model: nn.Module, *, lr: float, head_lr_mult: float, weight_decay: float) -> list[dict]:
+    """Optimizer parameter groups: "backbone" at `lr`, "head" (everything else) at `lr * head_lr_mult`.
+
+    Each group: {"name", "params", "lr", "weight_decay"}. Only parameters with requires_grad are included;
+    a group without any is left out. DataParallel / DistributedDataParallel wrappers are looked through.
+    """
+    model = unwrap_model(model)
+    backbone = getattr(model, "backbone", None)
+    if backbone is None:
+        raise ValueError(f"build_param_groups expects a model with a 'backbone' attribute, got {type(model).__name__}")
+    backbone_ids = {id(p) for p in backbone.parameters()}
+    groups = {"backbone": [], "head": []}
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            groups["backbone" if id(parameter) in backbone_ids else "head"].append(parameter)
+    rates = {"backbone": lr, "head": lr * head_lr_mult}
+    return [
+        {"name": name, "params": params, "lr": rates[name], "weight_decay": weight_decay}
+        for name, params in groups.items()
+        if params
+    ]
 
 
 def build_optimizer(param_groups: list[dict], train_cfg: Any) -> torch.optim.Optimizer:

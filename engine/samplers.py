@@ -1,4 +1,4 @@
-"""What each process loads: resumable training batches, non-padding evaluation shards, the DataLoaders.
+"""What each training process loads: resumable training batches and the training DataLoader.
 
 Training order: epoch e is a permutation drawn from (train.seed, e); global batch t is its t-th slice
 of `train.batch_size` samples, and each process loads its own part of that slice, so any number of
@@ -16,7 +16,6 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from engine.distributed import get_rank, get_world_size
 from engine.seeding import SeededDataset, mix_seed, worker_init
 
 
@@ -90,27 +89,6 @@ class ResumableBatchSampler(Sampler):
                 yield [(order[j], seeds[j]) for j in range(first, first + size)]
 
 
-class ShardSampler(Sampler[int]):
-    """Indices rank, rank + world_size, ... of range(num_samples), in order, without padding.
-
-    Shards are disjoint and together cover every index once; their lengths differ by at most one.
-    rank / world_size default to torch.distributed's (0 / 1 when it is not initialized).
-    """
-
-    def __init__(self, num_samples: int, *, rank: int | None = None, world_size: int | None = None):
-        self.rank = get_rank() if rank is None else rank
-        self.world_size = get_world_size() if world_size is None else world_size
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"ShardSampler: rank={self.rank} must lie in [0, world_size={self.world_size})")
-        self.num_samples = num_samples
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.num_samples, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.num_samples, self.world_size))
-
-
 def build_train_loader(dataset: Dataset, sampler: ResumableBatchSampler, *, num_workers: int, pin_memory: bool,
                        seed: int) -> DataLoader:
     """The training DataLoader: seeded samples in `sampler`'s order, persistent workers."""
@@ -118,21 +96,6 @@ def build_train_loader(dataset: Dataset, sampler: ResumableBatchSampler, *, num_
         SeededDataset(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         worker_init_fn=worker_init, persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
     )
-
-
-def build_eval_loader(
-    dataset: Dataset, *, batch_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
-    rank: int | None = None, world_size: int | None = None, seed: int = 0,
-) -> DataLoader:
-    """A DataLoader over this process's ShardSampler shard, in dataset order, no shuffling or padding.
-
-    batch_size > 1 needs images of one size (the default collate stacks them). Its own generator keeps
-    it from drawing on the global RNG (a validation must not shift training's random stream).
-    """
-    sampler = ShardSampler(len(dataset), rank=rank, world_size=world_size)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=False, persistent_workers=False, worker_init_fn=worker_init,
-                      generator=torch.Generator().manual_seed(seed))
 
 
 def shutdown_workers(loader: DataLoader) -> None:

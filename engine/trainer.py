@@ -2,7 +2,7 @@
 
 `Trainer(config, dist_info).fit()` trains `config.train.iters` optimizer steps. The parts live in
 their own modules: data order and loaders (engine.samplers), randomness (engine.seeding), the loss
-(engine.loss), optimizer and schedule (engine.optim), logging (engine.run_log), stop requests
+(engine.loss), optimizer and schedule (engine.optim), logging (engine.reporting), stop requests
 (engine.signals), checkpoints (engine.checkpoint) and validation (engine.evaluate). A run stopped at
 iteration K and resumed computes the same losses as an uninterrupted run: the checkpoint holds the
 model, optimizer, scheduler, scaler, iteration and every process's RNG state, and the data order is
@@ -34,16 +34,15 @@ from engine.checkpoint import (
     weights_payload,
 )
 from engine.config import Config
-from engine.config_io import from_dict, save_config, to_dict
+from engine.config import from_dict, save_config, to_dict
 from engine.distributed import DistInfo, all_reduce_sum, barrier, compile_for_training, is_dist, wrap_for_training
-from engine.evaluate import check_batching, evaluate
+from engine.evaluate import build_eval_loader, check_batching, evaluate
 from engine.loss import build_loss
-from engine.optim import PolyWarmupLR, build_optimizer
-from engine.precision import autocast_for, log_precision
-from engine.run_log import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
+from engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
+from engine.devices import autocast_for, log_precision
+from engine.reporting import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
 from engine.samplers import (
     ResumableBatchSampler,
-    build_eval_loader,
     build_train_loader,
     shutdown_workers,
     train_batches,
@@ -51,7 +50,7 @@ from engine.samplers import (
 from engine.seeding import capture_rng_state, mix_seed, restore_rng_state, seed_process
 from engine.signals import StopRequest
 from engine.visualize import prediction_grid
-from model.builder import build_model, build_param_groups
+from model.builder import build_model
 from model.norm import synchronizes_statistics
 
 logger = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ class Trainer:
     """Builds everything from a Config and trains. Only rank 0 writes files.
 
     `resume`: a checkpoint payload (engine.checkpoint.load_checkpoint with RESUME_KEYS) to continue
-    from, or None; `run_id` and `overrides` (engine.run_dir.RunPlan) are saved in every checkpoint.
+    from, or None; `run_id` and `overrides` (engine.run_plan.RunPlan) are saved in every checkpoint.
     `stop_at`: stop (saving last.pt, as on a signal) at this iteration; None = train.iters. `fit` may be
     called again with a later `stop_at`: it continues the same data stream.
     """

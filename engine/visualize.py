@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from data import IGNORE_COLOR, palette_table
 from data.transforms import normalize_batch
-from engine.files import write_atomically
+from engine.atomic import write_atomically
 from engine.inference import predict
 
 MIN_PANEL_WIDTH = 128
@@ -150,7 +150,7 @@ def overlay(image: np.ndarray, labels: np.ndarray, palette: np.ndarray, *, alpha
 
 
 def save_png(image: Image.Image | np.ndarray, path: Any) -> None:
-    """Write `image` as a PNG at `path`, never half-written (engine.files.write_atomically, without
+    """Write `image` as a PNG at `path`, never half-written (engine.atomic.write_atomically, without
     fsync): a full disk is an OSError naming the file, and an earlier file there stays whole."""
     picture = image if isinstance(image, Image.Image) else Image.fromarray(image)
     write_atomically(path, lambda file: picture.save(file, format="PNG"), what="image", durable=False)

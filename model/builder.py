@@ -83,29 +83,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_param_groups(model: nn.Module, *, lr: float, head_lr_mult: float, weight_decay: float) -> list[dict]:
-    """Optimizer parameter groups: "backbone" at `lr`, "head" (everything else) at `lr * head_lr_mult`.
-
-    Each group: {"name", "params", "lr", "weight_decay"}. Only parameters with requires_grad are included;
-    a group without any is left out. DataParallel / DistributedDataParallel wrappers are looked through.
-    """
-    model = unwrap_model(model)
-    backbone = getattr(model, "backbone", None)
-    if backbone is None:
-        raise ValueError(f"build_param_groups expects a model with a 'backbone' attribute, got {type(model).__name__}")
-    backbone_ids = {id(p) for p in backbone.parameters()}
-    groups = {"backbone": [], "head": []}
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            groups["backbone" if id(parameter) in backbone_ids else "head"].append(parameter)
-    rates = {"backbone": lr, "head": lr * head_lr_mult}
-    return [
-        {"name": name, "params": params, "lr": rates[name], "weight_decay": weight_decay}
-        for name, params in groups.items()
-        if params
-    ]
-
-
 def _logits_keys(model: nn.Module) -> set[str]:
     """State-dict keys of the last conv of `classifier` and `aux_classifier` (their outputs are classes)."""
     keys = set()

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as `python scripts/export.py`
 
 logger = logging.getLogger("export")
 
-FORMAT_CHOICES = ("onnx", "torchscript", "exported", "safetensors")  # engine.export.FORMATS (a test keeps them equal)
+FORMAT_CHOICES = ("onnx", "torchscript", "exported", "safetensors")  # engine.export_formats.FORMATS (a test keeps them equal)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine.checkpoint import load_checkpoint, load_inference_model, save_safetensors
-    from engine.export import (SUFFIXES, MissingRuntimeError, check_against_pytorch, export_metadata, export_model,
+    from engine.export_formats import (SUFFIXES, MissingRuntimeError, check_against_pytorch, export_metadata, export_model,
                                export_ready, load_runner, sample_inputs)
 
     if args.size is not None:

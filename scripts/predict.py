@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
     from data.base import read_image
     from data.transforms import normalize_batch
     from engine.checkpoint import load_inference_model
-    from engine.distributed import inference_device
-    from engine.precision import autocast_for, log_precision
+    from engine.devices import inference_device
+    from engine.devices import autocast_for, log_precision
     from engine.inference import predict
     from engine.visualize import background_indices, legend_image, overlay, save_png
 

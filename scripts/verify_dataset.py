@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="", help="also write the statistics as JSON here")
     args = parser.parse_args(argv)
     from data import build_dataset
-    from engine.config_io import load_config
+    from engine.config import load_config
 
     try:
         config = load_config(args.config, args.overrides)

@@ -80,7 +80,7 @@ def test_every_flag_has_a_help_text(module_name, monkeypatch):
 
 def test_train_print_config_shows_every_key_and_round_trips(tmp_path, capsys):
     from engine.config import all_keys
-    from engine.config_io import flatten, load_config
+    from engine.config import flatten, load_config
 
     train = importlib.import_module("train")
     assert train.main(["--config", "demo.yaml", "train.iters=7", "--print-config"]) == 0
@@ -97,7 +97,7 @@ def test_train_print_config_shows_every_key_and_round_trips(tmp_path, capsys):
 
 def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, capsys):
     from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-    from engine.config_io import load_config, to_dict
+    from engine.config import load_config, to_dict
 
     config = load_config("demo.yaml", [f"output_dir={tmp_path}", "train.iters=9", "eval.mode=whole"])
     save_checkpoint(tmp_path / "last.pt", {"format_version": FORMAT_VERSION, "model": {}, "config": to_dict(config),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from engine.config_io import load_config
+from engine.config import load_config
 from engine.distributed import DistInfo, compile_for_training
 from engine.trainer import Trainer
 

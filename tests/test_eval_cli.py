@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from engine.config_io import load_config, to_dict
+from engine.config import load_config, to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn",

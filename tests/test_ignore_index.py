@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.config_io import load_config
+from engine.config import load_config
 from engine.distributed import DistInfo
 from engine.samplers import train_batches
 from engine.trainer import Trainer

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from engine.checkpoint import WEIGHTS_KEYS, load_checkpoint
-from engine.config_io import load_config
+from engine.config import load_config
 from engine.distributed import DistInfo
 from engine.trainer import Trainer
 

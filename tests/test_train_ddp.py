@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     import torch
     from torch import nn
 
-    from engine.config_io import load_config
+    from engine.config import load_config
     from engine.distributed import cleanup, setup_distributed
     from engine.trainer import Trainer
     from tests.float64 import trainers_in_float64

@@ -127,7 +127,7 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
 
 @pytest.mark.slow
 def test_non_finite_loss_stops_with_iteration_and_keeps_last_checkpoint(tmp_path, monkeypatch):
-    from engine.config_io import load_config
+    from engine.config import load_config
     from engine.distributed import DistInfo
     from engine.trainer import Trainer
 
@@ -169,7 +169,7 @@ def test_bad_command_lines_exit_nonzero_with_one_line_reason(args, fragment, tmp
 
 @pytest.mark.slow
 def test_init_checkpoint_fine_tunes_with_a_new_class_count(tmp_path, caplog):
-    from engine.config_io import load_config
+    from engine.config import load_config
     from engine.distributed import DistInfo
     from engine.trainer import Trainer
 
@@ -195,7 +195,7 @@ def test_fine_tuning_from_torchvision_deeplabv3_weights_loads_all_but_the_classi
     6-class synthetic set; only the classifier's last conv stays fresh, and another backbone is one line."""
     import torchvision
 
-    from engine.config_io import load_config
+    from engine.config import load_config
     from engine.distributed import DistInfo
     from engine.trainer import Trainer
 

@@ -12,7 +12,7 @@ import torch
 
 import engine.checkpoint
 from engine.checkpoint import load_checkpoint
-from engine.config_io import load_config
+from engine.config import load_config
 from engine.distributed import DistInfo
 from engine.trainer import Trainer
 

@@ -10,7 +10,7 @@ import data
 from data.ade20k import ADE20K_CLASSES, ADE20K_PALETTE, CLASS_TO_RAW, RAW_TO_CLASS, ADE20KSegmentation
 from data.base import BadSampleError
 from engine.config import DataConfig
-from engine.config_io import load_config
+from engine.config import load_config
 
 
 def test_classes_and_palette_are_the_benchmarks_150():

@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from engine.accumulation import describe_batches, step_normalizer
 from engine.checkpoint import RESUME_KEYS, load_checkpoint
-from engine.config_io import load_config
+from engine.config import load_config
 from engine.distributed import DistInfo
 from engine.loss import SegmentationLoss
 from engine.trainer import Trainer

@@ -19,7 +19,7 @@ from engine.checkpoint import (
     save_checkpoint,
 )
 from engine.config import Config, ModelConfig
-from engine.config_io import from_dict, load_config, to_dict
+from engine.config import from_dict, load_config, to_dict
 from model.builder import build_model
 
 
@@ -177,7 +177,7 @@ def test_load_inference_model_rebuilds_the_model_with_its_weights_in_eval_mode(t
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
     from engine.checkpoint import save_safetensors
-    from engine.files import current_umask
+    from engine.atomic import current_umask
 
     previous = os.umask(umask)
     try:

@@ -1,4 +1,4 @@
-"""The schema (engine.config) and its reading and writing (engine.config_io): the base chain, type
+"""The schema (engine.config) and its reading and writing (engine.config.io): the base chain, type
 conversion, overrides, the dict round trip, renamed keys, and every validation error."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import yaml
 import data
 from data.synthetic import SHAPE_NAMES
 from engine.config import SYNTHETIC_MAX_CLASSES, Config, DataConfig, EvalConfig, all_keys, choices, validate
-from engine.config_io import (
+from engine.config import (
     build_config,
     from_dict,
     inference_config,

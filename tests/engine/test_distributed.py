@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import distributed
-from engine.distributed import DistInfo, parse_gpus, setup_distributed, wrap_for_training
+from engine.devices import inference_device, parse_gpus
+from engine.distributed import DistInfo, setup_distributed, wrap_for_training
 
 
 @pytest.fixture(autouse=True)
@@ -152,27 +153,27 @@ def test_expand_hostlist(hostlist, hosts):
 
 def test_inference_device_parses_and_checks_the_device(monkeypatch):
     _fake_cuda(monkeypatch, 0)
-    assert distributed.inference_device(None) == torch.device("cpu")
-    assert distributed.inference_device("cpu") == torch.device("cpu")
+    assert inference_device(None) == torch.device("cpu")
+    assert inference_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="--device cuda:1: CUDA is not available"):
-        distributed.inference_device("cuda:1")
+        inference_device("cuda:1")
     with pytest.raises(ValueError, match="--device 'gpu0' is not a device"):
-        distributed.inference_device("gpu0")
+        inference_device("gpu0")
     with pytest.raises(ValueError, match="--device 'meta': expected cpu, cuda or cuda:N"):
-        distributed.inference_device("meta")
+        inference_device("meta")
     fake = _fake_cuda(monkeypatch, 2)
     # no --device and --device cuda mean the current GPU, with its index (set_device rejects plain "cuda")
-    assert distributed.inference_device(None) == torch.device("cuda", 0)
-    assert distributed.inference_device("cuda") == torch.device("cuda", 0)
-    assert distributed.inference_device("cuda:1") == torch.device("cuda", 1)
+    assert inference_device(None) == torch.device("cuda", 0)
+    assert inference_device("cuda") == torch.device("cuda", 0)
+    assert inference_device("cuda:1") == torch.device("cuda", 1)
     assert fake.set_calls == [0, 0, 1]
-    assert distributed.inference_device("cuda") == torch.device("cuda", 1)  # now the current one
+    assert inference_device("cuda") == torch.device("cuda", 1)  # now the current one
     with pytest.raises(ValueError, match="--device cuda:2: this machine has 2 CUDA device"):
-        distributed.inference_device("cuda:2")
+        inference_device("cuda:2")
     under_torchrun = DistInfo(rank=1, world_size=2, device=torch.device("cpu"), mode="ddp")
-    assert distributed.inference_device(None, under_torchrun) == torch.device("cpu")
+    assert inference_device(None, under_torchrun) == torch.device("cpu")
     with pytest.raises(ValueError, match="cannot be combined with torchrun"):
-        distributed.inference_device("cpu", under_torchrun)
+        inference_device("cpu", under_torchrun)
 
 
 def test_the_buffer_sync_keyword_follows_the_installed_ddp_signature():

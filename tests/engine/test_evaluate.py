@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from engine.config import EvalConfig
 from engine.evaluate import evaluate
-from engine.samplers import build_eval_loader
+from engine.evaluate import build_eval_loader
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

@@ -5,10 +5,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from engine.evaluate import ShardSampler, build_eval_loader
 from engine.samplers import (
     ResumableBatchSampler,
-    ShardSampler,
-    build_eval_loader,
     build_train_loader,
     split_batch,
     train_batches,

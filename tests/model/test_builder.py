@@ -15,7 +15,8 @@ from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
 from engine.config import ModelConfig
-from model.builder import build_model, build_param_groups, load_segmentation_weights, unwrap_model
+from engine.optim import build_param_groups
+from model.builder import build_model, load_segmentation_weights, unwrap_model
 from model.sync_batchnorm import SynchronizedBatchNorm2d, revert_model
 
 ROOT = Path(__file__).resolve().parents[2]

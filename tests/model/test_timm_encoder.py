@@ -184,6 +184,6 @@ def test_imagenet_weights_come_from_the_local_hugging_face_cache_only(tmp_path, 
 
 
 def test_timm_is_imported_only_when_a_timm_backbone_is_built():
-    code = ("import sys, engine.config, model.builder; from engine.config_io import load_config; "
+    code = ("import sys, engine.config, model.builder; from engine.config import load_config; "
             "load_config(None, ['model.backbone=timm:resnet18']); assert 'timm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
-from engine.config_io import load_config, to_dict
+from engine.config import load_config, to_dict
 
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "data.crop_size=32"]
 
@@ -54,13 +54,13 @@ def test_safetensors_release_copy_reads_back_identical(checkpoint, tmp_path):
 
 def test_onnx_without_onnxruntime_writes_the_file_and_says_it_was_not_checked(checkpoint, tmp_path, monkeypatch,
                                                                               caplog):
-    import engine.export
+    import engine.export_formats
 
     def fake_export(module, fmt, path, *, sample, metadata):  # the real exporter: tests/engine/test_export.py
         path.write_bytes(b"onnx")
         return "dynamic"
 
-    monkeypatch.setattr(engine.export, "export_model", fake_export)
+    monkeypatch.setattr(engine.export_formats, "export_model", fake_export)
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     with caplog.at_level("WARNING"):
         assert _script().main(["--checkpoint", str(checkpoint), "--format", "onnx", "--output",

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from engine.config_io import load_config, to_dict
+from engine.config import load_config, to_dict
 
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn"]
 
@@ -160,7 +160,7 @@ def test_a_warning_for_images_far_larger_than_the_training_crop(checkpoint, tmp_
 def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path, monkeypatch):
     import contextlib
 
-    import engine.precision
+    import engine.devices
 
     path = checkpoint[0]
     payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -174,7 +174,7 @@ def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path,
         used.append(precision)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(engine.precision, "autocast_for", recording)
+    monkeypatch.setattr(engine.devices, "autocast_for", recording)
     common = ["--input", str(tmp_path / "z.png"), "--output", str(tmp_path / "o"), "--device", "cpu"]
     assert _load_script().main(["--checkpoint", str(bf16), *common]) == 0
     assert _load_script().main(["--checkpoint", str(bf16), *common, "--amp", "off"]) == 0

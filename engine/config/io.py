@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 
-from engine.config import CONFIG_DIR, SECTIONS, Config, SquareIfOne, all_keys, field_types, validate
-from engine.files import write_atomically
+from engine.config.schema import CONFIG_DIR, SECTIONS, Config, SquareIfOne, all_keys, field_types, validate
+from engine.atomic import write_atomically
 
 logger = logging.getLogger(__name__)
 

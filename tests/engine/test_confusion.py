@@ -1,4 +1,4 @@
-"""engine.metrics.ConfusionMatrix against torchmetrics, cityscapesscripts and float64 recomputation."""
+"""engine.confusion.ConfusionMatrix against torchmetrics, cityscapesscripts and float64 recomputation."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.metrics import ConfusionMatrix
+from engine.confusion import ConfusionMatrix
 
 
 def _voc_like(seed: int, *, num_classes: int = 21, shape=(3, 37, 41)) -> tuple[torch.Tensor, torch.Tensor]:

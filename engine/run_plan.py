@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from engine.checkpoint import RESUME_KEYS, load_checkpoint, peek_checkpoint
 from engine.config import Config, DistConfig
-from engine.config_io import build_config, from_dict, load_config, parse_overrides, to_dict
+from engine.config import build_config, from_dict, load_config, parse_overrides, to_dict
 from engine.distributed import DistInfo, broadcast_object, is_dist
-from engine.files import TEMPORARY_SUFFIX
+from engine.atomic import TEMPORARY_SUFFIX
 
 logger = logging.getLogger(__name__)
 

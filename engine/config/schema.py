@@ -3,7 +3,7 @@
 Choices are `Literal` annotations; numeric limits are `Limit`s attached to their fields; rules that
 involve several fields are in `validate()`. Builders and datasets receive validated sections and do
 not check them again. Reading YAML, the `base:` chain, command-line overrides and the dict round trip
-live in engine/config_io.py.
+live in engine/config/io.py.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal
 from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
 from model.timm_encoder import TIMM_PREFIX
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 # autocast for training (train.amp) and inference (eval.amp); auto: by the device's capability
-# (engine.precision.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32)
+# (engine.devices.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32)
 Precision = Literal["auto", "off", "fp16", "bf16"]
 
 
@@ -177,7 +177,7 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": 
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    """Field name -> annotation, with `Annotated` markers kept (engine.config_io converts by them)."""
+    """Field name -> annotation, with `Annotated` markers kept (engine.config.io converts by them)."""
     return typing.get_type_hints(cls, include_extras=True)
 
 

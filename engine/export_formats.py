@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.files import write_atomically
+from engine.atomic import write_atomically
 from model.sync_batchnorm import revert_model
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _dimension_ranges(program: Any) -> str:
 def export_model(module: LogitsModel, fmt: str, path: Path, *, sample: torch.Tensor,
                  metadata: Mapping[str, Any]) -> str:
     """Write `module` in format `fmt` (onnx | torchscript | exported) to `path`; returns a line on its
-    dynamic dimensions. The file is written atomically (engine.files.write_atomically: an export
+    dynamic dimensions. The file is written atomically (engine.atomic.write_atomically: an export
     already at `path` stays whole when this fails, and a full disk is an OSError naming the file).
     Raises ValueError when the exporter (or its packages) fails."""
     text = json.dumps(dict(metadata))

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from engine.files import write_atomically
+from engine.atomic import write_atomically
 
 logger = logging.getLogger(__name__)
 

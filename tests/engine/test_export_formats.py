@@ -1,4 +1,4 @@
-"""engine.export: every format round-trips within 1e-4 of PyTorch, at the export size and another one."""
+"""engine.export_formats: every format round-trips within 1e-4 of PyTorch, at the export size and another one."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from engine.config_io import load_config
-from engine.export import (
+from engine.config import load_config
+from engine.export_formats import (
     FORMATS,
     TOLERANCE,
     LogitsModel,

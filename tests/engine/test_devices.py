@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import precision
+from engine import devices
 
 
 @pytest.mark.parametrize("amp,dtype", [("off", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_autocast_for_each_precision(amp, dtype):
     layer = torch.nn.Linear(4, 4)
-    with precision.autocast_for(torch.device("cpu"), amp):
+    with devices.autocast_for(torch.device("cpu"), amp):
         assert layer(torch.randn(2, 4)).dtype == dtype
 
 
@@ -21,43 +21,43 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
     (CPU, True, "bf16"), (CPU, False, "off"), (CUDA, True, "bf16"), (CUDA, False, "fp16")])
 def test_auto_precision_follows_the_capability_probe(monkeypatch, device, native, chosen):
     probed = []
-    monkeypatch.setattr(precision, "native_bf16", lambda d: probed.append(d) or native)
-    assert precision.resolve_precision("auto", device)[0] == chosen
+    monkeypatch.setattr(devices, "native_bf16", lambda d: probed.append(d) or native)
+    assert devices.resolve_precision("auto", device)[0] == chosen
     assert probed == [device]
     for explicit in ("off", "fp16"):  # an explicit value runs as given
-        assert precision.resolve_precision(explicit, device) == (explicit, "as configured")
+        assert devices.resolve_precision(explicit, device) == (explicit, "as configured")
 
 
 def test_auto_precision_autocasts_by_capability_and_explicit_bf16_is_warned_when_emulated(monkeypatch, caplog):
     layer = torch.nn.Linear(4, 4)
-    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
-    with precision.autocast_for(CPU, "auto"):
+    monkeypatch.setattr(devices, "native_bf16", lambda device: False)
+    with devices.autocast_for(CPU, "auto"):
         assert layer(torch.randn(2, 4)).dtype == torch.float32
-    with caplog.at_level("INFO", logger="engine.precision"):
-        assert precision.log_precision("train.amp", "auto", CPU) == "off"
-        assert precision.log_precision("train.amp", "bf16", CPU) == "bf16"  # still runs, with a warning
+    with caplog.at_level("INFO", logger="engine.devices"):
+        assert devices.log_precision("train.amp", "auto", CPU) == "off"
+        assert devices.log_precision("train.amp", "bf16", CPU) == "bf16"  # still runs, with a warning
     warnings_logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings_logged) == 1 and "emulated" in warnings_logged[0] and "14x slower" in warnings_logged[0]
     assert "train.amp=auto: fp32 (auto: cpu has no native bf16" in caplog.text
-    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
-    with precision.autocast_for(CPU, "auto"):
+    monkeypatch.setattr(devices, "native_bf16", lambda device: True)
+    with devices.autocast_for(CPU, "auto"):
         assert layer(torch.randn(2, 4)).dtype == torch.bfloat16
 
 
 def test_the_cpu_probe_reads_the_flags_and_the_override(monkeypatch):
-    monkeypatch.delenv(precision.NATIVE_BF16_VARIABLE, raising=False)
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"fpu", "avx2", "avx512f"}))
-    assert precision.native_bf16(CPU) is False
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
-    assert precision.native_bf16(CPU) is True
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    assert precision.native_bf16(CPU) is True
-    monkeypatch.setenv(precision.NATIVE_BF16_VARIABLE, "0")
-    assert precision.native_bf16(CPU) is False
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset())
-    monkeypatch.setenv(precision.NATIVE_BF16_VARIABLE, "1")
-    assert precision.native_bf16(CPU) is True
-    assert precision.native_bf16(torch.device("meta")) is False
+    monkeypatch.delenv(devices.NATIVE_BF16_VARIABLE, raising=False)
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset({"fpu", "avx2", "avx512f"}))
+    assert devices.native_bf16(CPU) is False
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert devices.native_bf16(CPU) is True
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert devices.native_bf16(CPU) is True
+    monkeypatch.setenv(devices.NATIVE_BF16_VARIABLE, "0")
+    assert devices.native_bf16(CPU) is False
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset())
+    monkeypatch.setenv(devices.NATIVE_BF16_VARIABLE, "1")
+    assert devices.native_bf16(CPU) is True
+    assert devices.native_bf16(torch.device("meta")) is False
 
 
 def test_the_cuda_probe_does_not_count_emulated_bf16(monkeypatch):
@@ -68,4 +68,4 @@ def test_the_cuda_probe_does_not_count_emulated_bf16(monkeypatch):
         return including_emulation  # an older GPU: bf16 only through emulation
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
-    assert precision.native_bf16(CUDA) is False and calls == [False]
+    assert devices.native_bf16(CUDA) is False and calls == [False]

@@ -1,4 +1,8 @@
-"""Precision: what `train.amp` / `eval.amp` (auto | off | fp16 | bf16) run as on a device, and its autocast.
+"""Devices and precision: `--gpus` and `--device` parsed, and what `train.amp` / `eval.amp`
+(auto | off | fp16 | bf16) run as on a device, with its autocast.
+
+`parse_gpus` and `inference_device` are the one parsers of `--gpus` (train.py) and `--device` (eval.py,
+predict.py, export.py).
 
 `resolve_precision(precision, device)` is the one table from the config value to what runs, by the
 device's capability (`native_bf16`, the one probe); `autocast_for(device, precision)` its autocast context.
@@ -10,8 +14,12 @@ import functools
 import inspect
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +93,45 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def parse_gpus(gpus: str) -> tuple[int, ...]:
+    """`"0,1,3"` -> (0, 1, 3). Raises ValueError naming the value when it is not a list of ids."""
+    parts = [p.strip() for p in gpus.split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"--gpus {gpus!r}: expected comma-separated GPU ids such as 0,1 (or 'cpu')")
+    ids = []
+    for part in parts:
+        if not part.isdigit():
+            raise ValueError(f"--gpus {gpus!r}: '{part}' is not a GPU id; expected comma-separated integers such as 0,1")
+        ids.append(int(part))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"--gpus {gpus!r}: a GPU id is listed twice")
+    return tuple(ids)
+
+
+def inference_device(name: str | None, dist_info: "DistInfo | None" = None) -> torch.device:
+    """The device for eval.py / predict.py: `name` (cpu, cuda, cuda:N; None = cuda if available, else
+    cpu), or this process's device under torchrun. ValueError naming the value when it cannot be used."""
+    if dist_info is not None and dist_info.mode == "ddp":
+        if name is not None:
+            raise ValueError(f"--device {name} cannot be combined with torchrun: each process uses "
+                             "cuda:LOCAL_RANK (or the CPU without CUDA)")
+        return dist_info.device
+    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        if device.index is None:
+            # plain "cuda" is the current device; set_device rejects a device without an index
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name!r}: expected cpu, cuda or cuda:N")
+    return device
