@@ -134,10 +134,8 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     """Evaluate; returns (the JSON record written by rank 0 with --output, evaluate()'s metrics)."""
     from data import build_dataset
     from engine.checkpoint import load_inference_model
-    from engine.devices import inference_device
-    from engine.devices import log_precision
-    from engine.evaluate import evaluate
-    from engine.evaluate import build_eval_loader
+    from engine.devices import inference_device, log_precision
+    from engine.evaluate import build_eval_loader, evaluate
 
     is_main = dist_info is None or dist_info.is_main
     device = inference_device(args.device, dist_info)
@@ -159,9 +157,9 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
                     eval_cfg.mode, f" window={'x'.join(map(str, eval_cfg.window_size))} stride={'x'.join(map(str, eval_cfg.stride))}"
                     if eval_cfg.mode == "slide" else "", ",".join(map(str, eval_cfg.scales)), eval_cfg.flip,
                     eval_cfg.amp, device)
-    metrics = evaluate(loaded.model, loader, num_classes=len(classes), device=device, mean=config.data.mean,
-                       std=config.data.std, eval_cfg=eval_cfg, ignore_index=config.data.ignore_index,
-                       classes=classes, progress=is_main and not args.no_progress, on_batch=on_batch)
+    metrics = evaluate(loaded.model, loader, num_classes=len(classes), device=device, data_cfg=config.data,
+                       eval_cfg=eval_cfg, classes=classes, progress=is_main and not args.no_progress,
+                       on_batch=on_batch)
     return _plain({
         "checkpoint": str(args.checkpoint),
         "iteration": loaded.iteration,

@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         plan = plan_run(args.config, args.resume, args.overrides, dist_info=dist_info, overwrite=args.overwrite)
-        trainer = Trainer(plan.config, dist_info, resume=plan.resume, run_id=plan.run_id, overrides=plan.overrides,
-                          stop_at=args.stop_at)
+        trainer = Trainer.from_config(plan.config, dist_info, resume=plan.resume, run_id=plan.run_id,
+                                      overrides=plan.overrides)
         plan.resume = None  # the payload's tensors are in the model and optimizer now
-        result = trainer.fit()
+        result = trainer.fit(stop_at=args.stop_at)
     except (ValueError, FileNotFoundError) as error:
         code, message = 2, str(error)
     except FloatingPointError as error:

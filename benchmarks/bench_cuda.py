@@ -177,7 +177,7 @@ def training(iters: int, rounds: int) -> dict:
                 "fp16_channels_last": ["train.amp=fp16", "model.channels_last=true"]}
     results: dict = {}
     with tempfile.TemporaryDirectory() as root:
-        trainers = {name: Trainer(load_config("demo.yaml", [f"output_dir={root}/{name}", *common, *extra]),
+        trainers = {name: Trainer.from_config(load_config("demo.yaml", [f"output_dir={root}/{name}", *common, *extra]),
                                   setup_distributed(None), progress=False) for name, extra in settings.items()}
         for trainer in trainers.values():
             trainer.fit(stop_at=5)  # warm-up: cudnn autotuning, workers, renders

@@ -30,8 +30,9 @@ import torch
 
 from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, time_interleaved
 from benchmarks.common import write_record
-from engine.config import ModelConfig
-from engine.inference import predict, window_starts
+from data.transforms import IGNORE_INDEX
+from engine.config import EvalConfig, ModelConfig
+from engine.inference import eval_settings, predict, window_starts
 from engine.confusion import ConfusionMatrix
 from model.builder import build_model
 
@@ -62,7 +63,7 @@ def bench_confusion(rounds: int, device: torch.device) -> dict:
     pred_d, target_d = pred.to(device), target.to(device)
     target_u8 = target_d.to(torch.uint8)
     reference = numpy_bincount(pred_np, target_np, num_classes)
-    matrix = ConfusionMatrix(num_classes, device=device)
+    matrix = ConfusionMatrix(num_classes, ignore_index=IGNORE_INDEX, device=device)
 
     def ours(t):
         def run():
@@ -109,7 +110,7 @@ def bench_inference(rounds: int, device: torch.device, *, height: int, width: in
         "slide": dict(mode="slide", window_size=crop, stride=stride),
         "slide_flip": dict(mode="slide", window_size=crop, stride=stride, flip=True),
     }
-    variants = {name: (lambda o=o: predict(model, images, num_classes=19, **o)) for name, o in options.items()}
+    variants = {name: (lambda o=o: predict(model, images, num_classes=19, **eval_settings(EvalConfig(**o)))) for name, o in options.items()}
     with torch.inference_mode():
         times = time_interleaved(variants, rounds, before=_synchronizer(device), after=_synchronizer(device))
     windows = len(window_starts(height, crop, stride)) * len(window_starts(width, crop, stride))

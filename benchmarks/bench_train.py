@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             f"train.ckpt_interval={never}", *args.overrides,
         ])
         dist_info = setup_distributed(None)
-        trainer = Trainer(config, dist_info, progress=False)
+        trainer = Trainer.from_config(config, dist_info, progress=False)
         if args.warmup < 0:
-            args.warmup = len(trainer.train_loader)
+            args.warmup = len(trainer.parts.train_loader)
         device, data_cfg = trainer.device, config.data
         # the bare loop's batches: loaded up front, outside any timing
-        bare_batches = [batch for _, batch in zip(range(args.iters), train_batches(trainer.train_loader, 0))]
+        bare_batches = [batch for _, batch in zip(range(args.iters), train_batches(trainer.parts.train_loader, 0))]
         trainer.fit(stop_at=args.warmup)
 
         def bare_steps() -> None:
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 if config.model.channels_last:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 with autocast_for(device, config.train.amp):
-                    logits = trainer.train_model(inputs)["out"]
-                loss = F.cross_entropy(logits.float(), masks, ignore_index=trainer.ignore_index)
+                    logits = trainer.parts.train_model(inputs)["out"]
+                loss = F.cross_entropy(logits.float(), masks, ignore_index=config.data.ignore_index)
                 trainer.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 trainer.optimizer.step()

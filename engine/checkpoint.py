@@ -11,7 +11,9 @@ existing checkpoint is either the old one or the new one, never half-written; th
 plain `open()` would give (0644 under umask 022), so teammates on a shared cluster can read them.
 A `.safetensors` file written by `scripts/export.py --format safetensors` loads here too.
 
-`load_inference_model` is what eval.py and predict.py share: checkpoint -> config (with overrides and
+`Checkpointer` writes a training run's checkpoints (the non-finite check, every process's RNG state,
+the best.pt subset) and restores the RNG state; engine.trainer.Trainer.state_dict / load_state_dict
+are the rest of the pair. `load_inference_model` is what eval.py and predict.py share: checkpoint -> config (with overrides and
 CLI flags) -> model with the weights, on a device, in eval mode. `init_from_weights` is fine-tuning's
 (model.init_checkpoint): a syncseg checkpoint or a plain state dict such as torchvision's
 segmentation weights, the classifier skipped when the class count differs.
@@ -29,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import Config
-from engine.config import from_dict, inference_config
 from engine.atomic import write_atomically
+from engine.config import Config, from_dict, inference_config
+from engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
+from engine.seeding import capture_rng_state, restore_rng_state
 from model.builder import LoadedWeights, build_model, load_segmentation_weights, state_dict_problems
 
 logger = logging.getLogger(__name__)
@@ -231,6 +234,58 @@ def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return name
     return None
+
+
+def non_finite_error(what: str, *, iteration: int, run_dir: Path) -> FloatingPointError:
+    """The error that stops training at a non-finite loss or tensor (`what`), saving nothing."""
+    return FloatingPointError(
+        f"non-finite {what} at iteration {iteration}; stopping without saving. The last good checkpoint "
+        f"({run_dir / 'last.pt'}) was left untouched; lower train.lr, try train.amp=off, or check the data")
+
+
+class Checkpointer:
+    """Writes a training run's last.pt / best.pt into `run_dir` (rank 0 writes; every process calls `save`,
+    which gathers the RNG states) and restores this process's RNG state from one."""
+
+    def __init__(self, run_dir: Path, dist_info: DistInfo) -> None:
+        self.run_dir, self.dist = Path(run_dir), dist_info
+
+    def save(self, names: Iterable[str], state: Mapping[str, Any], *, best_metrics: Mapping[str, Any] | None) -> None:
+        """Write run_dir/<name> for each name: last.pt gets `state` (engine.trainer.Trainer.state_dict) plus
+        every process's RNG state; best.pt `weights_payload(state, metrics=best_metrics)`.
+
+        Raises FloatingPointError, before writing, when a tensor of state["model"] is not finite on any
+        process: the previous checkpoint stays the last good one.
+        """
+        names = list(names)
+        bad = first_non_finite(state["model"])
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.dist.device)
+        all_reduce_sum(flag)
+        if flag.item() > 0:
+            where = f"tensor {bad}" if bad is not None else "a tensor of another process"
+            raise non_finite_error(where, iteration=int(state["iteration"]), run_dir=self.run_dir)
+        rng_states: list[Any] = [capture_rng_state()]
+        if is_dist():
+            rng_states = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(rng_states, capture_rng_state())
+        if self.dist.is_main:
+            payload = {**state, "rng": {"per_rank": rng_states}}
+            for name in names:
+                save_checkpoint(self.run_dir / name, weights_payload(payload, metrics=best_metrics)
+                                if name == "best.pt" else payload)
+            logger.info("saved %s at iteration %d", " and ".join(names), state["iteration"])
+        barrier()
+
+    def restore_rng(self, rng: Mapping[str, Any], *, reseed: int) -> None:
+        """This process's RNG state from a checkpoint's `rng`; when it was saved by a different number of
+        processes, torch is seeded with `reseed` instead (with a warning)."""
+        states = rng.get("per_rank") or []
+        if len(states) == self.dist.world_size:
+            restore_rng_state(states[self.dist.rank])
+        else:
+            logger.warning("checkpoint RNG states are for %d process(es), this run has %d: reseeding",
+                           len(states), self.dist.world_size)
+            torch.manual_seed(reseed)
 
 
 def describe_architecture(model_cfg: Any) -> str:

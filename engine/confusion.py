@@ -22,11 +22,11 @@ class ConfusionMatrix:
     """Accumulates a num_classes x num_classes int64 confusion matrix on `device`.
 
     `update(pred, target)` takes integer tensors of the same shape (any layout, e.g. N x H x W);
-    pixels whose target equals `ignore_index` are skipped. A target outside [0, num_classes) that is
+    pixels whose target equals `ignore_index` (data.ignore_index: the caller passes it, nothing here assumes one) are skipped. A target outside [0, num_classes) that is
     not `ignore_index`, or a prediction outside [0, num_classes), raises ValueError.
     """
 
-    def __init__(self, num_classes: int, *, ignore_index: int = 255, device: torch.device | str | None = None):
+    def __init__(self, num_classes: int, *, ignore_index: int, device: torch.device | str | None = None):
         if num_classes < 1:
             raise ValueError(f"ConfusionMatrix: num_classes={num_classes} must be >= 1")
         self.num_classes = int(num_classes)

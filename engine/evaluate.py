@@ -2,7 +2,7 @@
 (build_eval_loader over a ShardSampler).
 
 The loader yields (uint8 images N x 3 x H x W, int64 masks N x H x W); images are normalized on the
-device with data.transforms.normalize_batch, predicted with engine.inference.predict, and counted in
+device and predicted by engine.inference.predict_batch (as eval.py, predict.py and the grid do), counted in
 one ConfusionMatrix on the device. Under torch.distributed each process evaluates a disjoint shard
 (ShardSampler, which never pads, unlike torch's DistributedSampler) and the matrices
 are summed, so every image is counted exactly once.
@@ -17,16 +17,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.transforms import height_width, normalize_batch
 from engine.distributed import all_reduce_sum, get_rank, get_world_size
-from engine.devices import autocast_for
-from engine.inference import predict
+from engine.inference import predict_batch
 from engine.confusion import ConfusionMatrix
 from engine.seeding import worker_init
 
@@ -97,18 +94,16 @@ def evaluate(
     *,
     num_classes: int,
     device: torch.device | str,
-    mean: Sequence[float],
-    std: Sequence[float],
+    data_cfg: Any,
     eval_cfg: Any,
-    ignore_index: int,
     classes: Sequence[str] | None = None,
     progress: bool = True,
     on_batch: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` on `loader`; returns ConfusionMatrix.compute()'s dict plus num_images.
 
-    `eval_cfg` (an engine.config.EvalConfig) supplies mode, window_size, stride, scales, flip and amp
-    (the autocast precision); `ignore_index` is data.ignore_index.
+    Each batch is predicted by engine.inference.predict_batch with `data_cfg` (mean, std) and `eval_cfg`
+    (mode, window, stride, scales, flip, amp) and counted with data_cfg.ignore_index skipped.
     The model is put in eval mode and restored to its previous mode afterwards; a
     DistributedDataParallel wrapper is bypassed (its forward would synchronize buffers across
     processes that see different numbers of images). Under torch.distributed every process must
@@ -121,13 +116,8 @@ def evaluate(
         model = model.module
     if classes is not None and len(classes) != num_classes:
         raise ValueError(f"evaluate: {len(classes)} class names given for num_classes={num_classes}")
-    mode = eval_cfg.mode
-    window_size = height_width(eval_cfg.window_size)
-    stride = height_width(eval_cfg.stride)
-    scales = tuple(eval_cfg.scales)
-    flip = bool(eval_cfg.flip)
     rank = get_rank()
-    matrix = ConfusionMatrix(num_classes, ignore_index=ignore_index, device=device)
+    matrix = ConfusionMatrix(num_classes, ignore_index=data_cfg.ignore_index, device=device)
     num_images = torch.zeros((), dtype=torch.int64, device=device)
     was_training = model.training
     model.eval()
@@ -141,13 +131,9 @@ def evaluate(
             for batch_index, (images, masks) in enumerate(batches):
                 images = images.to(device, non_blocking=True)
                 masks = masks.to(device, non_blocking=True)
-                inputs = normalize_batch(images, mean, std)
-                with autocast_for(device, eval_cfg.amp):
-                    logits = predict(model, inputs, num_classes=num_classes, mode=mode, window_size=window_size,
-                                     stride=stride, scales=scales, flip=flip, window_batch=eval_cfg.window_batch)
-                if logits.shape[-2:] != masks.shape[-2:]:  # an image resized by the pipeline, not its mask
-                    logits = F.interpolate(logits.float(), size=masks.shape[-2:], mode="bilinear",
-                                           align_corners=False)
+                # an image resized by the pipeline, not its mask: the logits come back at the mask's size
+                logits = predict_batch(model, images, num_classes=num_classes, data_cfg=data_cfg, eval_cfg=eval_cfg,
+                                       output_size=tuple(masks.shape[-2:]))
                 predictions = logits.argmax(dim=1)
                 matrix.update(predictions, masks)
                 num_images += images.shape[0]

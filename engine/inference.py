@@ -1,5 +1,9 @@
 """Inference: whole image or sliding window, with multi-scale and flip test-time augmentation.
 
+`predict_batch(model, images_uint8, ...)` is the one entry point of validation, eval.py, the TensorBoard
+grid and predict.py: it normalizes (data.mean / data.std), autocasts (eval.amp) and predicts with the eval
+section's mode, window, stride, scales and flip. `predict` is the part that takes normalized images.
+
 All variants return logits at the input resolution; augmented passes are averaged as logits (not
 probabilities). A scale of exactly 1.0 does no resizing, so `scales=(1.0,)` is plain inference, and a
 sliding window at least as large as the image is one whole-image pass.
@@ -8,12 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.transforms import height_width
+from data.transforms import height_width, normalize_batch
+from engine.devices import autocast_for
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +79,12 @@ def predict(
     images: torch.Tensor,
     *,
     num_classes: int,
-    mode: str = "whole",
-    window_size: int | Sequence[int] = 513,
-    stride: int | Sequence[int] = 341,
-    scales: Sequence[float] = (1.0,),
-    flip: bool = False,
-    window_batch: int = 8,
+    mode: str,
+    window_size: int | Sequence[int],
+    stride: int | Sequence[int],
+    scales: Sequence[float],
+    flip: bool,
+    window_batch: int,
 ) -> torch.Tensor:
     """Logits N x num_classes x H x W (float32) for normalized float images N x 3 x H x W.
 
@@ -88,7 +94,7 @@ def predict(
     time. Each scale in `scales` (positive)
     resizes the image (bilinear), runs `mode`, and resizes the logits back; with `flip` every scale
     also runs on the horizontally flipped image (logits flipped back). All passes are averaged. The
-    settings are an eval config section's (engine.config.EvalConfig, validated there). The model is
+    settings are an eval config section's (`eval_settings(engine.config.EvalConfig)`, validated there). The model is
     used as given (call model.eval() first). Raises ValueError for images that are not N x C x H x W
     floats.
     """
@@ -121,3 +127,35 @@ def predict(
             total = logits if total is None else total + logits
             passes += 1
     return total / passes if passes > 1 else total
+
+
+def eval_settings(eval_cfg: Any) -> dict[str, Any]:
+    """`predict`'s keyword arguments from an eval config section (engine.config.EvalConfig)."""
+    return {"mode": eval_cfg.mode, "window_size": eval_cfg.window_size, "stride": eval_cfg.stride,
+            "scales": tuple(eval_cfg.scales), "flip": bool(eval_cfg.flip), "window_batch": eval_cfg.window_batch}
+
+
+@torch.no_grad()
+def predict_batch(model: nn.Module, images: torch.Tensor, *, num_classes: int, data_cfg: Any, eval_cfg: Any,
+                  long_side: int = 0, output_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Logits N x num_classes x H x W (float32) for uint8 images N x 3 x H x W on the model's device.
+
+    Normalized with data_cfg.mean / std (data.transforms.normalize_batch), run under eval_cfg.amp's autocast
+    (engine.devices) by `predict` with eval_cfg's mode, window_size, stride, scales, flip and window_batch
+    (an engine.config.EvalConfig; its defaults are the schema's). `long_side` > 0 first resizes the image so
+    its long side is that many pixels (data.base_size for raw photos); the logits come back at
+    `output_size` (height, width; default: the input's size). The model is used as given (eval mode is the
+    caller's).
+    """
+    height, width = images.shape[-2:]
+    inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
+    if long_side > 0 and max(height, width) != long_side:
+        scale = long_side / max(height, width)
+        size = (max(1, round(height * scale)), max(1, round(width * scale)))
+        inputs = F.interpolate(inputs, size=size, mode="bilinear", align_corners=False)
+    with autocast_for(images.device, eval_cfg.amp):
+        logits = predict(model, inputs, num_classes=num_classes, **eval_settings(eval_cfg))
+    size = tuple(output_size) if output_size is not None else (height, width)
+    if logits.shape[-2:] != size:
+        logits = F.interpolate(logits.float(), size=size, mode="bilinear", align_corners=False)
+    return logits

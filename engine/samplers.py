@@ -124,3 +124,14 @@ def train_batches(loader: DataLoader, start_iteration: int) -> Iterator[Any]:
         sampler.set_epoch(epoch, start_batch=start)
         yield from loader
         epoch, start = epoch + 1, 0
+
+
+def train_steps(loader: DataLoader, start_iteration: int) -> Iterator[list[Any]]:
+    """The optimizer steps of `loader` from global step `start_iteration` on: each a list of the
+    sampler's `accumulate` micro-batches (train_batches grouped)."""
+    batches = train_batches(loader, start_iteration)
+    try:
+        while True:
+            yield [next(batches) for _ in range(loader.batch_sampler.accumulate)]
+    finally:
+        batches.close()

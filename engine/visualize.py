@@ -17,9 +17,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from data import IGNORE_COLOR, palette_table
-from data.transforms import normalize_batch
 from engine.atomic import write_atomically
-from engine.inference import predict
+from engine.inference import predict_batch
 
 MIN_PANEL_WIDTH = 128
 GRID_TITLES = ("image", "truth", "prediction")
@@ -113,21 +112,26 @@ def with_legend(picture: np.ndarray, classes: Sequence[str], palette: np.ndarray
 
 
 @torch.no_grad()
-def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int], *, num_classes: int,
-                    device: torch.device, data_cfg: Any, eval_cfg: Any) -> np.ndarray:
-    """image | truth | prediction, one row per dataset index, predicted as evaluation does (eval mode),
-    under column titles and above a legend of the class colours and the ignore colour."""
+def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int], *, device: torch.device,
+                    data_cfg: Any, eval_cfg: Any) -> np.ndarray:
+    """image | truth | prediction, one row per dataset index, predicted as evaluation does
+    (engine.inference.predict_batch with `eval_cfg`, in eval mode; the model's mode is restored), under
+    column titles and above a legend of the class colours and the ignore colour."""
     palette = np.asarray(dataset.palette, dtype=np.uint8)
     ignore_index = int(getattr(dataset, "ignore_index", data_cfg.ignore_index))
     rows = []
-    for index in indices:
-        image, mask = dataset[index]
-        batch = normalize_batch(image.unsqueeze(0).to(device), data_cfg.mean, data_cfg.std)
-        logits = predict(model, batch, num_classes=num_classes, mode=eval_cfg.mode, window_size=eval_cfg.window_size,
-                         stride=eval_cfg.stride, window_batch=eval_cfg.window_batch)
-        prediction = logits.argmax(1)[0].cpu().numpy()
-        rows.append([image.permute(1, 2, 0).numpy()] + [
-            color_labels(labels, palette, ignore_index=ignore_index) for labels in (mask.numpy(), prediction)])
+    was_training = model.training
+    model.eval()
+    try:
+        for index in indices:
+            image, mask = dataset[index]
+            logits = predict_batch(model, image.unsqueeze(0).to(device), num_classes=len(dataset.classes),
+                                   data_cfg=data_cfg, eval_cfg=eval_cfg, output_size=tuple(mask.shape[-2:]))
+            prediction = logits.argmax(1)[0].cpu().numpy()
+            rows.append([image.permute(1, 2, 0).numpy()] + [
+                color_labels(labels, palette, ignore_index=ignore_index) for labels in (mask.numpy(), prediction)])
+    finally:
+        model.train(was_training)
     return with_legend(titled_grid(rows, GRID_TITLES), dataset.classes, palette)
 
 

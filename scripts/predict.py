@@ -8,9 +8,8 @@ with the dataset palette) and <output>/<name>_overlay.png (the photo with the co
 blended in at --alpha; pixels of the class named "background" keep the photo's own colors); --legend
 also writes <output>/legend.png (color and name of each class). With a folder, images are found
 recursively and the subfolders are kept. Photos are turned upright by their EXIF orientation (as
-viewers show them; the masks match the upright image). The image goes through the same normalization
-as training (data.transforms.normalize_batch) and engine.inference.predict, under the checkpoint's
-eval.amp unless --amp says otherwise; masks are at the original resolution (data.base_size > 0
+viewers show them; the masks match the upright image). The image is predicted by engine.inference.predict_batch, as validation and
+eval.py predict (normalization, the checkpoint's eval.mode/scales/flip and eval.amp unless flags say otherwise); masks are at the original resolution (data.base_size > 0
 predicts at that long side, then resizes the logits back). An image whose long side is more than
 LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it are likely much larger than
 the model ever saw, so set data.base_size (or use --mode slide for a model trained on crops of such
@@ -19,6 +18,7 @@ images).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -99,15 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
     from data import palette_image
     from data.base import read_image
-    from data.transforms import normalize_batch
     from engine.checkpoint import load_inference_model
     from engine.devices import inference_device
-    from engine.devices import autocast_for, log_precision
-    from engine.inference import predict
+    from engine.devices import log_precision
+    from engine.inference import predict_batch
     from engine.visualize import background_indices, legend_image, overlay, save_png
 
     if not 0.0 <= args.alpha <= 1.0:
@@ -119,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
                                          "eval.amp": args.amp})
     config, classes, model = loaded.config, loaded.classes, loaded.model
     palette = np.asarray(palette_for(config.data.dataset, len(classes)), dtype=np.uint8)
-    eval_cfg, base_size = config.eval, config.data.base_size
-    precision = log_precision("eval.amp", eval_cfg.amp, device)
+    base_size = config.data.base_size
+    eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
     uncoloured = background_indices(classes)
     output = Path(args.output)
     large = []
@@ -139,17 +137,9 @@ def run(args: argparse.Namespace) -> int:
                                image_path, width, height, LARGE_IMAGE_FACTOR, crop_text, max(crop), crop_text)
             large.append(image_path)
         batch = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].to(device)
-        inputs = normalize_batch(batch, config.data.mean, config.data.std)
-        if base_size > 0 and max(height, width) != base_size:
-            scale = base_size / max(height, width)
-            size = (max(1, round(height * scale)), max(1, round(width * scale)))
-            inputs = F.interpolate(inputs, size=size, mode="bilinear", align_corners=False)
-        with torch.inference_mode(), autocast_for(device, precision):
-            logits = predict(model, inputs, num_classes=len(classes), mode=eval_cfg.mode,
-                             window_size=eval_cfg.window_size, stride=eval_cfg.stride, scales=eval_cfg.scales,
-                             flip=eval_cfg.flip, window_batch=eval_cfg.window_batch)
-            if logits.shape[-2:] != (height, width):
-                logits = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)
+        with torch.inference_mode():
+            logits = predict_batch(model, batch, num_classes=len(classes), data_cfg=config.data, eval_cfg=eval_cfg,
+                                   long_side=base_size)
         labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()
         target = output / stem  # save_png creates the folders
         save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))

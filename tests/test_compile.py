@@ -16,11 +16,11 @@ TINY = ["data.synthetic_image_size=32", "data.crop_size=32", "data.synthetic_tra
 
 def _losses(tmp_path, compiled: bool) -> dict[int, float]:
     config = load_config("demo.yaml", [f"output_dir={tmp_path / str(compiled)}", *TINY, f"train.compile={compiled}"])
-    trainer = Trainer(config, DistInfo(), progress=False)
+    trainer = Trainer.from_config(config, DistInfo(), progress=False)
     for module in trainer.model.modules():
         if isinstance(module, nn.Dropout):  # compiled code draws its dropout masks from another generator
             module.p = 0.0
-    assert (trainer.forward_model is not trainer.train_model) == compiled
+    assert (trainer.parts.forward_model is not trainer.parts.train_model) == compiled
     result = trainer.fit()
     trainer.close()
     return result.losses

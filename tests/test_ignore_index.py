@@ -47,11 +47,11 @@ def test_training_evaluation_and_saved_predictions_ignore_the_configured_label(t
                  "model.channels_last=false", "train.batch_size=2", "train.iters=2", "train.val_interval=2",
                  "train.num_vis_images=0", "train.amp=off", "eval.amp=off"]
     config = load_config("demo.yaml", overrides)
-    trainer = Trainer(config, DistInfo(), progress=False)
+    trainer = Trainer.from_config(config, DistInfo(), progress=False)
 
     # training: the 24 px images are padded to 32 px crops with the ignore label, and the loss counts
     # exactly the other pixels
-    images, batch_masks = next(train_batches(trainer.train_loader, 0))
+    images, batch_masks = next(train_batches(trainer.parts.train_loader, 0))
     labelled = sum(int((mask != IGNORE).sum()) for mask in masks.values()) // len(masks)
     assert batch_masks.shape[-2:] == (32, 32)
     assert int((batch_masks != IGNORE).sum()) == 2 * labelled  # every labelled pixel kept, padding ignored
@@ -60,7 +60,7 @@ def test_training_evaluation_and_saved_predictions_ignore_the_configured_label(t
 
     with torch.no_grad():
         outputs = trainer.model(normalize_batch(images, config.data.mean, config.data.std))
-    (_, weight), = trainer.criterion.terms({"out": outputs["out"]}, batch_masks).values()
+    (_, weight), = trainer.parts.criterion.terms({"out": outputs["out"]}, batch_masks).values()
     assert int(weight) == 2 * labelled
 
     # evaluation (training's validation): the confusion matrix holds exactly the labelled pixels

@@ -28,7 +28,7 @@ TINY_DATA = ["data.synthetic_image_size=32", "data.crop_size=32", "data.syntheti
 def demo_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("demo")
     config = load_config("demo.yaml", [f"output_dir={run_dir}", *TINY_DATA])
-    trainer = Trainer(config, DistInfo(), progress=False, run_id="run-1")
+    trainer = Trainer.from_config(config, DistInfo(), progress=False, run_id="run-1")
     try:
         result = trainer.fit()
     finally:
@@ -82,7 +82,7 @@ def test_both_checkpoints_load_in_eval_predict_export_and_init_checkpoint(demo_r
                         str(tmp_path / "model.torchscript.pt")]) == 0
 
     config = load_config("demo.yaml", [f"output_dir={tmp_path / 'tuned'}", *TINY_DATA, f"model.init_checkpoint={checkpoint}"])
-    tuned = Trainer(config, DistInfo(), progress=False)
+    tuned = Trainer.from_config(config, DistInfo(), progress=False)
     try:
         saved = load_checkpoint(checkpoint)["model"]
         assert all(torch.equal(tuned.model.state_dict()[k], v) for k, v in saved.items())

@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING)
     config = load_config("demo.yaml", overrides)
     with trainers_in_float64() if float64 else contextlib.nullcontext():
-        trainer = Trainer(config, info, progress=False)
+        trainer = Trainer.from_config(config, info, progress=False)
     for module in trainer.model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0

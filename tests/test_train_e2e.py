@@ -134,14 +134,14 @@ def test_non_finite_loss_stops_with_iteration_and_keeps_last_checkpoint(tmp_path
     run_dir = tmp_path / "run"
     config = load_config("demo.yaml", [f"output_dir={run_dir}", *TINY, "train.iters=6", "train.ckpt_interval=1",
                                        "train.log_interval=5", "train.val_interval=100", "train.amp=off"])
-    trainer = Trainer(config, DistInfo(), progress=False)
-    original = trainer.criterion.head_terms
+    trainer = Trainer.from_config(config, DistInfo(), progress=False)
+    original = trainer.parts.criterion.head_terms
 
     def poisoned(logits, target):
         loss_sum, weight = original(logits, target)
         return (loss_sum * float("nan") if trainer.iteration == 3 else loss_sum), weight
 
-    monkeypatch.setattr(trainer.criterion, "head_terms", poisoned)
+    monkeypatch.setattr(trainer.parts.criterion, "head_terms", poisoned)
     with pytest.raises(FloatingPointError, match="iteration 4"):
         trainer.fit()
     checkpoint = torch.load(run_dir / "last.pt", map_location="cpu", weights_only=True)
@@ -175,13 +175,13 @@ def test_init_checkpoint_fine_tunes_with_a_new_class_count(tmp_path, caplog):
 
     source = tmp_path / "source"
     config = load_config("demo.yaml", [f"output_dir={source}", *TINY, "train.iters=1", "train.val_interval=100"])
-    Trainer(config, DistInfo(), progress=False).fit()
+    Trainer.from_config(config, DistInfo(), progress=False).fit()
     saved = torch.load(source / "last.pt", map_location="cpu", weights_only=True)["model"]
 
     config = load_config("demo.yaml", [f"output_dir={tmp_path / 'tuned'}", *TINY, "train.iters=1",
                                        f"model.init_checkpoint={source / 'last.pt'}", "data.num_classes=4"])
     with caplog.at_level("INFO"):
-        trainer = Trainer(config, DistInfo(), progress=False)
+        trainer = Trainer.from_config(config, DistInfo(), progress=False)
     state = trainer.model.state_dict()
     differing = [k for k in saved if saved[k].shape != state[k].shape]
     assert differing and all(k.startswith("classifier") for k in differing)
@@ -209,9 +209,9 @@ def test_fine_tuning_from_torchvision_deeplabv3_weights_loads_all_but_the_classi
                  "train.batch_size=2",
                  f"model.init_checkpoint={path}"]
     with caplog.at_level("INFO", logger="engine.checkpoint"):
-        trainer = Trainer(load_config("demo.yaml", overrides), DistInfo(), progress=False)
+        trainer = Trainer.from_config(load_config("demo.yaml", overrides), DistInfo(), progress=False)
     tuned = trainer.model.state_dict()
-    assert trainer.num_classes == 6
+    assert len(trainer.parts.classes) == 6
     differing = {key for key in state if not torch.equal(state[key], tuned[key])}
     assert differing == {"classifier.4.weight", "classifier.4.bias"} and tuned["classifier.4.weight"].shape[0] == 6
     (record,) = [r.getMessage() for r in caplog.records if path.name in r.getMessage()]

@@ -47,7 +47,7 @@ def test_a_diverging_run_saves_no_checkpoint_with_non_finite_tensors(tmp_path, c
 
 def test_non_finite_weights_stop_before_saving_and_name_the_tensor(tmp_path):
     config = load_config("demo.yaml", [f"output_dir={tmp_path}", *TINY, "train.iters=3", "train.ckpt_interval=1"])
-    trainer = Trainer(config, DistInfo(), progress=False)
+    trainer = Trainer.from_config(config, DistInfo(), progress=False)
     trainer.fit(stop_at=1)
     before = (tmp_path / "last.pt").read_bytes()
     with torch.no_grad():

@@ -19,6 +19,7 @@ from engine.checkpoint import RESUME_KEYS, load_checkpoint
 from engine.config import load_config
 from engine.distributed import DistInfo
 from engine.loss import SegmentationLoss
+from engine.samplers import train_steps
 from engine.trainer import Trainer
 from tests.float64 import trainers_in_float64
 
@@ -38,7 +39,7 @@ def _trainer(tmp_path: Path, name: str, *overrides: str, dist_info: DistInfo | N
     """float64 for comparisons between splits of a batch (tests/float64.py)."""
     config = load_config("demo.yaml", [f"output_dir={tmp_path / name}", *TINY, *overrides])
     with trainers_in_float64() if float64 else contextlib.nullcontext():
-        trainer = Trainer(config, dist_info or DistInfo(), progress=False)
+        trainer = Trainer.from_config(config, dist_info or DistInfo(), progress=False)
     for module in trainer.model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0  # dropout masks depend on how the batch is split
@@ -47,7 +48,7 @@ def _trainer(tmp_path: Path, name: str, *overrides: str, dist_info: DistInfo | N
 
 def _first_step_gradients(trainer: Trainer) -> tuple[dict[str, torch.Tensor], float, torch.Tensor]:
     """Gradients, loss and masks of the first optimizer step with every norm layer in eval mode."""
-    micro_batches = [next(trainer.batches) for _ in range(trainer.config.train.accumulate)]
+    micro_batches = next(train_steps(trainer.parts.train_loader, 0))
     trainer.model.train()
     for module in trainer.model.modules():
         if isinstance(module, _BatchNorm):
@@ -114,7 +115,7 @@ def test_accumulated_run_resumes_exactly_and_schedules_per_optimizer_step(tmp_pa
     first.close()
     resume = load_checkpoint(tmp_path / "split" / "last.pt", required_keys=RESUME_KEYS)
     assert resume["iteration"] == 2
-    second = Trainer(load_config("demo.yaml", [f"output_dir={tmp_path / 'split'}", *TINY, *steps]), DistInfo(),
+    second = Trainer.from_config(load_config("demo.yaml", [f"output_dir={tmp_path / 'split'}", *TINY, *steps]), DistInfo(),
                      resume=resume, progress=False)
     for module in second.model.modules():
         if isinstance(module, nn.Dropout):
@@ -123,7 +124,7 @@ def test_accumulated_run_resumes_exactly_and_schedules_per_optimizer_step(tmp_pa
     assert sorted(expected) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
     assert resumed == {k: expected[k] for k in (3, 4)}  # bit for bit on the CPU
     # the schedule and the optimizer count optimizer steps, not micro-batches
-    assert second.scheduler.iteration == 4
+    assert second.parts.scheduler.iteration == 4
     assert {int(state["step"]) for state in second.optimizer.state.values()} == {4}
     second.close()
 
@@ -152,8 +153,8 @@ def _ddp_worker(rank: int, port: int, tmp_path: Path) -> None:
                 return dist.all_reduce(bucket.buffer().div_(2), async_op=True).get_future().then(
                     lambda future: future.value()[0])
 
-            trainer.train_model.register_comm_hook(None, counting_allreduce)
-            trainer.train_model.register_forward_pre_hook(lambda module, args: events.append("forward"))
+            trainer.parts.train_model.register_comm_hook(None, counting_allreduce)
+            trainer.parts.train_model.register_forward_pre_hook(lambda module, args: events.append("forward"))
             trainer.fit()
             results[accumulate] = events
             trainer.close()

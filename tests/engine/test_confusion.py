@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from data.transforms import IGNORE_INDEX
 from engine.confusion import ConfusionMatrix
 
 
@@ -39,7 +40,7 @@ def test_matches_torchmetrics_jaccard_and_confusion():
 
     num_classes = 21
     pred, target = _voc_like(0, num_classes=num_classes)
-    ours = ConfusionMatrix(num_classes)
+    ours = ConfusionMatrix(num_classes, ignore_index=IGNORE_INDEX)
     ours.update(pred[:2], target[:2])
     ours.update(pred[2:], target[2:])
     metrics = ours.compute()
@@ -67,7 +68,7 @@ def test_accuracies_match_torchmetrics_when_every_class_is_in_the_truth():
     pred = torch.where(torch.rand(target.shape, generator=generator) < 0.7, target,
                        torch.randint(0, num_classes, target.shape, generator=generator))
     target[:, :3] = 255
-    matrix = ConfusionMatrix(num_classes)
+    matrix = ConfusionMatrix(num_classes, ignore_index=IGNORE_INDEX)
     matrix.update(pred, target)
     metrics = matrix.compute()
     micro = MulticlassAccuracy(num_classes, average="micro", ignore_index=255)(pred, target).item()
@@ -79,7 +80,7 @@ def test_accuracies_match_torchmetrics_when_every_class_is_in_the_truth():
 def test_all_metrics_against_float64_recomputation():
     num_classes = 9
     pred, target = _voc_like(2, num_classes=num_classes, shape=(2, 19, 23))
-    matrix = ConfusionMatrix(num_classes)
+    matrix = ConfusionMatrix(num_classes, ignore_index=IGNORE_INDEX)
     matrix.update(pred, target)
     metrics = matrix.compute()
     ref = _reference_matrix(pred.numpy(), target.numpy(), num_classes, 255).astype(np.float64)
@@ -105,7 +106,7 @@ def test_all_metrics_against_float64_recomputation():
 def test_dtypes_give_the_same_matrix(target_dtype):
     pred, target = _voc_like(3)
     reference = _reference_matrix(pred.numpy(), target.numpy(), 21, 255)
-    matrix = ConfusionMatrix(21)
+    matrix = ConfusionMatrix(21, ignore_index=IGNORE_INDEX)
     matrix.update(pred.to(torch.int32 if target_dtype != torch.int64 else torch.int64), target.to(target_dtype))
     assert np.array_equal(matrix.matrix.numpy(), reference)
 
@@ -125,13 +126,13 @@ def test_many_classes_use_wide_indices():
     target = torch.randint(0, 150, (2, 40, 40), generator=generator)
     target[:, :4] = 255
     pred = torch.randint(0, 150, target.shape, generator=generator)
-    matrix = ConfusionMatrix(150)
+    matrix = ConfusionMatrix(150, ignore_index=IGNORE_INDEX)
     matrix.update(pred, target)
     assert np.array_equal(matrix.matrix.numpy(), _reference_matrix(pred.numpy(), target.numpy(), 150, 255))
 
 
 def test_bad_inputs_raise():
-    matrix = ConfusionMatrix(4)
+    matrix = ConfusionMatrix(4, ignore_index=IGNORE_INDEX)
     good = torch.zeros(2, 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="shape"):
         matrix.update(good, torch.zeros(3, 2, dtype=torch.int64))
@@ -144,7 +145,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="integer"):
         matrix.update(good.float(), good)
     assert int(matrix.matrix.sum()) == 0  # nothing half-counted by the failed updates
-    empty = ConfusionMatrix(3).compute()
+    empty = ConfusionMatrix(3, ignore_index=IGNORE_INDEX).compute()
     assert math.isnan(empty["miou"]) and empty["iou"] == [None, None, None]
 
 
@@ -162,7 +163,7 @@ def test_cityscapes_parity_with_cityscapesscripts(tmp_path):
             label_to_train[l.id] = l.trainId
 
     rng = np.random.default_rng(0)
-    ours = ConfusionMatrix(19)
+    ours = ConfusionMatrix(19, ignore_index=IGNORE_INDEX)
     gt_files, pred_files = [], []
     for index, city in enumerate(["aachen", "bremen", "aachen"]):
         stem = f"{city}_{index:06d}_000019"

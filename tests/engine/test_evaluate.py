@@ -10,12 +10,12 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import Dataset
 
-from engine.config import EvalConfig
-from engine.evaluate import evaluate
-from engine.evaluate import build_eval_loader
+from engine.config import DataConfig, EvalConfig
+from engine.evaluate import build_eval_loader, evaluate
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+DATA = DataConfig(mean=MEAN, std=STD, ignore_index=255)
 NUM_CLASSES = 4
 
 
@@ -66,7 +66,7 @@ def test_evaluate_matches_independent_reference_and_restores_mode():
     dataset = MemoryDataset(5)
     seen = []
     results = evaluate(model, build_eval_loader(dataset, batch_size=2), num_classes=NUM_CLASSES, device="cpu",
-                       mean=MEAN, std=STD, eval_cfg=EvalConfig(), ignore_index=255, classes=("a", "b", "c", "d"), progress=False,
+                       data_cfg=DATA, eval_cfg=EvalConfig(), classes=("a", "b", "c", "d"), progress=False,
                        on_batch=lambda index, pred, masks: seen.append((index, pred, masks)))
     assert model.training  # restored for the training loop
     reference_miou, reference_pred = _reference_metrics(model, dataset)
@@ -81,7 +81,7 @@ def test_evaluate_uses_eval_config_modes():
     model = TinySeg().eval()
     dataset = MemoryDataset(3, size=(20, 24))
     loader = build_eval_loader(dataset)
-    kwargs = dict(num_classes=NUM_CLASSES, device="cpu", mean=MEAN, std=STD, ignore_index=255, progress=False)
+    kwargs = dict(num_classes=NUM_CLASSES, device="cpu", data_cfg=DATA, progress=False)
     whole = evaluate(model, loader, eval_cfg=EvalConfig(), **kwargs)
     big_window = evaluate(model, loader, eval_cfg=EvalConfig(mode="slide", window_size=64, stride=32), **kwargs)
     assert big_window["iou"] == whole["iou"]
@@ -98,8 +98,8 @@ def _ddp_worker(rank, world_size, init_file, out_dir):
         model = TinySeg()
         ddp = nn.parallel.DistributedDataParallel(model)
         dataset = MemoryDataset(5)
-        results = evaluate(ddp, build_eval_loader(dataset), num_classes=NUM_CLASSES, device="cpu", mean=MEAN,
-                           std=STD, eval_cfg=EvalConfig(), ignore_index=255, progress=False)
+        results = evaluate(ddp, build_eval_loader(dataset), num_classes=NUM_CLASSES, device="cpu",
+                           data_cfg=DATA, eval_cfg=EvalConfig(), progress=False)
         (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
         del ddp
         gc.collect()  # DDP sits in reference cycles: a live DDP during destroy_process_group aborts gloo at exit (engine.distributed.cleanup)
@@ -113,7 +113,7 @@ def test_sharded_evaluation_equals_single_process(tmp_path):
     """5 images over 2 gloo processes (3 + 2): identical metrics, each image counted once."""
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), tmp_path), nprocs=2, join=True)
     single = evaluate(TinySeg(), build_eval_loader(MemoryDataset(5)), num_classes=NUM_CLASSES, device="cpu",
-                      mean=MEAN, std=STD, eval_cfg=EvalConfig(), ignore_index=255, progress=False)
+                      data_cfg=DATA, eval_cfg=EvalConfig(), progress=False)
     for rank in range(2):
         sharded = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sharded["num_images"] == 5

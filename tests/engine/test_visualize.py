@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from data import IGNORE_COLOR, bit_palette
+from engine.config import DataConfig, EvalConfig
 from engine.visualize import (
     MIN_PANEL_WIDTH,
     background_indices,
@@ -71,12 +72,9 @@ def test_prediction_grid_has_titles_a_legend_and_cream_ignore_pixels():
             logits[:, 1, :, 4:] = 1.0
             return {"out": logits}
 
-    class Cfg:
-        mean, std, ignore_index = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 255
-        mode, window_size, stride, window_batch = "whole", 8, 8, 8
-
-    grid = prediction_grid(Model(), Dataset(), [0], num_classes=2, device=torch.device("cpu"), data_cfg=Cfg,
-                           eval_cfg=Cfg)
+    model = Model().train()
+    grid = prediction_grid(model, Dataset(), [0], device=torch.device("cpu"), data_cfg=DataConfig(), eval_cfg=EvalConfig())
+    assert model.training  # the caller's mode is restored
     factor = MIN_PANEL_WIDTH // 8
     size = 8 * factor
     pixels = grid.reshape(-1, 3)

@@ -1,0 +1,117 @@
+"""build_training: every object a training run needs, built from a Config, handed to engine.trainer.Trainer.
+
+The parts live in their own modules: data order and loaders (engine.samplers, engine.evaluate), the
+model (model.builder) and its wrapper (engine.distributed), the loss (engine.loss), parameter groups,
+optimizer and schedule (engine.optim), precision (engine.devices). Nothing here runs a step; a test or a
+benchmark may build the parts, replace one, and give them to a Trainer.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from data import build_dataset
+from engine.accumulation import describe_batches
+from engine.checkpoint import init_from_weights
+from engine.config import Config
+from engine.devices import log_precision
+from engine.distributed import DistInfo, compile_for_training, wrap_for_training
+from engine.evaluate import build_eval_loader, check_batching
+from engine.loss import SegmentationLoss, build_loss
+from engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
+from engine.samplers import ResumableBatchSampler, build_train_loader
+from engine.seeding import mix_seed
+from model.builder import build_model
+from model.norm import synchronizes_statistics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingParts:
+    """The built objects of one training process. `model` is the bare network (checkpoints, validation);
+    `train_model` wraps it for gradient synchronization (DDP, DataParallelWithCallback, or the model
+    itself); `forward_model` is `train_model`, compiled when train.compile. `precision` is what
+    train.amp runs as on this device (off | fp16 | bf16)."""
+
+    config: Config
+    dist: DistInfo
+    train_set: Any
+    val_set: Any
+    classes: tuple[str, ...]
+    model: nn.Module
+    train_model: nn.Module
+    forward_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: PolyWarmupLR
+    scaler: torch.amp.GradScaler
+    precision: str
+    criterion: SegmentationLoss
+    sampler: ResumableBatchSampler
+    train_loader: DataLoader
+    val_loader: DataLoader
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+
+def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = True) -> TrainingParts:
+    """Datasets, model, wrapper, optimizer, schedule, scaler, loss, sampler and loaders for `config` on this
+    process. `init_weights`: load model.init_checkpoint (a fresh run; a resumed one loads its checkpoint
+    instead). The model initializes identically on every process. Raises ValueError / FileNotFoundError
+    for data, weights or settings that cannot be used (before any step)."""
+    train_cfg, data_cfg, device = config.train, config.data, dist_info.device
+    torch.manual_seed(mix_seed(train_cfg.seed, "init") % 2**63)
+    train_set = build_dataset(data_cfg, data_cfg.train_split, train=True)
+    val_set = build_dataset(data_cfg, data_cfg.val_split, train=False)
+    check_batching(val_set, config.eval.batch_size, key="eval.batch_size")  # fail now, not at validation
+    classes = tuple(train_set.classes)
+    model = build_model(config.model, len(classes))  # channels_last is build_model's
+    if config.model.init_checkpoint and init_weights:
+        init_from_weights(model, config.model.init_checkpoint, model_cfg=config.model)
+    model.to(device)
+    train_model = wrap_for_training(model, dist_info)
+    groups = build_param_groups(model, lr=train_cfg.lr, head_lr_mult=train_cfg.head_lr_mult,
+                                weight_decay=train_cfg.weight_decay)
+    optimizer = build_optimizer(groups, train_cfg)
+    scheduler = PolyWarmupLR(optimizer, total_iters=train_cfg.iters, power=train_cfg.poly_power,
+                             warmup_iters=train_cfg.warmup_iters)
+    precision = log_precision("train.amp", train_cfg.amp, device)
+    log_precision("eval.amp", config.eval.amp, device)
+    sampler = ResumableBatchSampler(len(train_set), global_batch=train_cfg.batch_size, seed=train_cfg.seed,
+                                    rank=dist_info.rank, world_size=dist_info.world_size,
+                                    accumulate=train_cfg.accumulate)
+    pin = device.type == "cuda"
+    parts = TrainingParts(
+        config=config, dist=dist_info, train_set=train_set, val_set=val_set, classes=classes, model=model,
+        train_model=train_model,
+        forward_model=compile_for_training(train_model, dist_info, enabled=train_cfg.compile),
+        optimizer=optimizer, scheduler=scheduler,
+        scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), precision=precision,
+        criterion=build_loss(train_cfg, ignore_index=data_cfg.ignore_index).to(device), sampler=sampler,
+        train_loader=build_train_loader(train_set, sampler, num_workers=data_cfg.num_workers, pin_memory=pin,
+                                        seed=train_cfg.seed),
+        val_loader=build_eval_loader(val_set, batch_size=config.eval.batch_size,
+                                     num_workers=min(data_cfg.num_workers, 2), pin_memory=pin,
+                                     rank=dist_info.rank, world_size=dist_info.world_size, seed=train_cfg.seed),
+    )
+    describe(parts)
+    return parts
+
+
+def describe(parts: TrainingParts) -> None:
+    """Log the topology, the batch split and the data sizes."""
+    config, dist_info = parts.config, parts.dist
+    sync = dist_info.describe_batch_norm(synchronized=synchronizes_statistics(config.model.norm))
+    batches = describe_batches(config.train.batch_size, accumulate=parts.sampler.accumulate,
+                               num_replicas=dist_info.num_replicas, batch_norm=sync)
+    logger.info("%s; %s", dist_info.describe(), batches)
+    logger.info("%d training / %d validation images, %d classes, %d batches per epoch; run dir %s",
+                len(parts.train_set), len(parts.val_set), len(parts.classes), parts.sampler.batches_per_epoch,
+                config.run_dir)
