@@ -8,9 +8,12 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-test.txt
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+	# the project itself, editable (pyproject.toml): console commands, imports from anywhere; its
+	# dependencies are the pinned ones just installed, and the venv's setuptools builds it (no download)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # The whole suite, slow tests included (CI runs exactly this).

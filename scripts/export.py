@@ -18,9 +18,6 @@ import logging
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/export.py`
-    import _bootstrap  # noqa: F401  (puts the repository root on sys.path)
-
 # torch and the engine are imported after the arguments are parsed, so that --help answers at once.
 
 logger = logging.getLogger("export")

@@ -83,6 +83,9 @@ if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=$root/.venv/bin/python; else py=python3; fi
 fi
 
+# nothing is installed in the GPU image: the checkout itself is the project's import root (pyproject's
+# editable install does this on our machines)
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 NO_ALBUMENTATIONS_UPDATE=1 PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
 trap 'rm -rf "$work"' EXIT

@@ -24,9 +24,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as `python scripts/predict.py`
-    import _bootstrap  # noqa: F401  (puts the repository root on sys.path)
-
 # The engine is imported after the arguments are parsed, so that --help answers at once.
 
 logger = logging.getLogger("predict")

@@ -16,9 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as `python scripts/verify_dataset.py`
-    import _bootstrap  # noqa: F401  (puts the repository root on sys.path)
-
 # numpy, torch and the data package are imported where used, so that --help answers at once.
 
 # Official sizes of complete datasets: (dataset, split) -> images
