@@ -30,18 +30,19 @@ class SegmentationLoss(nn.Module):
     """out + aux_weight * aux, each the (class-weighted, OHEM-filtered) mean over valid pixels.
 
     OHEM keeps the pixels whose true-class probability is at most `ohem_thresh`, and at least the
-    `ohem_min_kept` hardest ones.
+    `ohem_min_kept` hardest ones. Every setting is required: build_loss takes them from the config, whose
+    schema (engine.config.schema.TrainConfig) holds the defaults.
     """
 
     def __init__(
         self,
         *,
         ignore_index: int,
-        class_weights: Sequence[float] | None = None,
-        ohem: bool = False,
-        ohem_thresh: float = 0.7,
-        ohem_min_kept: int = 100000,
-        aux_weight: float = 0.4,
+        class_weights: Sequence[float] | None,
+        ohem: bool,
+        ohem_thresh: float,
+        ohem_min_kept: int,
+        aux_weight: float,
     ) -> None:
         super().__init__()
         self.ignore_index = ignore_index
@@ -102,8 +103,8 @@ class SegmentationLoss(nn.Module):
     def target_weight(self, target: torch.Tensor) -> torch.Tensor:
         """The sum of per-pixel weights of `target` N x H x W (its valid pixels, class-weighted): what
         `head_terms` divides by, known before the forward pass when there is no OHEM."""
-        if self.ohem:
-            raise ValueError("SegmentationLoss.target_weight: with OHEM the weights depend on the logits")
+        if self.ohem:  # the config refuses train.ohem with train.accumulate > 1 (engine.config.schema.validate)
+            raise RuntimeError("SegmentationLoss.target_weight: with OHEM the weights depend on the logits")
         valid = target != self.ignore_index
         if self.class_weights is None:
             return valid.to(torch.float32).sum()

@@ -18,7 +18,8 @@ from engine.accumulation import describe_batches, step_normalizer
 from engine.checkpoint import RESUME_KEYS, load_checkpoint
 from engine.config import load_config
 from engine.distributed import DistInfo
-from engine.loss import SegmentationLoss
+from engine.config import TrainConfig
+from engine.loss import SegmentationLoss, build_loss
 from engine.samplers import train_steps
 from engine.trainer import Trainer
 from tests.float64 import trainers_in_float64
@@ -32,6 +33,10 @@ TINY = [
     "model.aux_loss=true", "train.amp=off", "eval.amp=off", "train.batch_size=8", "train.warmup_iters=1",
     "train.log_interval=1", "train.val_interval=100", "train.ckpt_interval=100", "train.num_vis_images=0",
 ]
+
+
+def _loss(**settings) -> SegmentationLoss:
+    return build_loss(TrainConfig(**settings), ignore_index=255)
 
 
 def _trainer(tmp_path: Path, name: str, *overrides: str, dist_info: DistInfo | None = None,
@@ -86,13 +91,13 @@ def test_batch_8x1_and_4x2_give_the_same_gradients_with_norm_layers_in_eval_mode
 
 def test_step_normalizer_is_the_valid_pixel_weight_of_the_whole_step():
     masks = [torch.tensor([[0, 1, 255], [2, 255, 255]]), torch.tensor([[1, 1, 1], [255, 0, 2]])]
-    plain = SegmentationLoss(ignore_index=255)
+    plain = _loss()
     assert step_normalizer(plain, masks[:1]) is None  # one micro-batch: the loss normalizes itself
     assert float(step_normalizer(plain, masks)) == 3 + 5
-    weighted = SegmentationLoss(ignore_index=255, class_weights=(0.5, 2.0, 4.0))
+    weighted = _loss(class_weights=(0.5, 2.0, 4.0))
     assert float(step_normalizer(weighted, masks)) == (0.5 + 2 + 4) + (2 * 3 + 0.5 + 4)
-    with pytest.raises(ValueError, match="OHEM"):
-        step_normalizer(SegmentationLoss(ignore_index=255, ohem=True), masks)
+    with pytest.raises(RuntimeError, match="OHEM"):
+        step_normalizer(_loss(ohem=True), masks)
 
 
 def test_describe_batches_states_micro_batches_and_per_micro_batch_statistics():

@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loss import SegmentationLoss
+from engine.config import TrainConfig
+from engine.loss import SegmentationLoss, build_loss
+
+
+def _loss(**settings) -> SegmentationLoss:
+    """The loss of a train section with `settings` (the schema's defaults otherwise), ignore label 255."""
+    return build_loss(TrainConfig(**settings), ignore_index=255)
 
 
 def _logits_and_target(seed: int = 0, num_classes: int = 4, shape=(2, 5, 6), ignore_fraction=0.2):
@@ -21,7 +27,7 @@ def _logits_and_target(seed: int = 0, num_classes: int = 4, shape=(2, 5, 6), ign
 # ------------------------------------------------------------------------------------------- loss
 def test_loss_equals_torch_cross_entropy_with_ignore_index():
     logits, target = _logits_and_target()
-    loss = SegmentationLoss(ignore_index=255)({"out": logits}, target)
+    loss = _loss()({"out": logits}, target)
     reference = F.cross_entropy(logits, target, ignore_index=255)
     torch.testing.assert_close(loss, reference)
 
@@ -29,7 +35,7 @@ def test_loss_equals_torch_cross_entropy_with_ignore_index():
 def test_loss_with_class_weights_equals_torch_weighted_mean():
     logits, target = _logits_and_target(seed=1)
     weights = [0.5, 2.0, 1.0, 3.0]
-    loss = SegmentationLoss(ignore_index=255, class_weights=weights)({"out": logits}, target)
+    loss = _loss(class_weights=weights)({"out": logits}, target)
     reference = F.cross_entropy(logits, target, weight=torch.tensor(weights), ignore_index=255)
     torch.testing.assert_close(loss, reference)
 
@@ -37,7 +43,7 @@ def test_loss_with_class_weights_equals_torch_weighted_mean():
 def test_aux_loss_is_weighted_sum_of_heads():
     logits, target = _logits_and_target(seed=2)
     aux, _ = _logits_and_target(seed=3)
-    loss = SegmentationLoss(ignore_index=255, aux_weight=0.4)({"out": logits, "aux": aux}, target)
+    loss = _loss(aux_weight=0.4)({"out": logits, "aux": aux}, target)
     reference = F.cross_entropy(logits, target, ignore_index=255) + 0.4 * F.cross_entropy(aux, target, ignore_index=255)
     torch.testing.assert_close(loss, reference)
 
@@ -67,21 +73,21 @@ def _ohem_reference(logits: torch.Tensor, target: torch.Tensor, thresh: float, m
 @pytest.mark.parametrize("thresh,min_kept", [(0.7, 5), (0.3, 20), (0.05, 1)])
 def test_ohem_matches_float64_reference(thresh, min_kept):
     logits, target = _logits_and_target(seed=4)
-    loss = SegmentationLoss(ignore_index=255, ohem=True, ohem_thresh=thresh, ohem_min_kept=min_kept)({"out": logits}, target)
+    loss = _loss(ohem=True, ohem_thresh=thresh, ohem_min_kept=min_kept)({"out": logits}, target)
     assert loss.item() == pytest.approx(_ohem_reference(logits, target, thresh, min_kept), rel=1e-5)
 
 
 def test_ohem_keeps_fewer_pixels_than_plain_loss_and_is_harder():
     logits, target = _logits_and_target(seed=5)
-    plain = SegmentationLoss(ignore_index=255)({"out": logits}, target)
-    hard = SegmentationLoss(ignore_index=255, ohem=True, ohem_thresh=0.3, ohem_min_kept=1)({"out": logits}, target)
+    plain = _loss()({"out": logits}, target)
+    hard = _loss(ohem=True, ohem_thresh=0.3, ohem_min_kept=1)({"out": logits}, target)
     assert hard > plain  # only low-probability (high-loss) pixels remain
 
 
 def test_loss_of_all_ignored_batch_is_zero_not_nan():
     logits = torch.randn(1, 3, 4, 4, requires_grad=True)
     target = torch.full((1, 4, 4), 255)
-    loss = SegmentationLoss(ignore_index=255)({"out": logits}, target)
+    loss = _loss()({"out": logits}, target)
     loss.backward()
     assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
 
@@ -90,4 +96,4 @@ def test_loss_rejects_mask_values_out_of_range():
     logits = torch.randn(1, 3, 2, 2)
     target = torch.tensor([[[0, 1], [2, 7]]])
     with pytest.raises(ValueError, match="mask value 7"):
-        SegmentationLoss(ignore_index=255)({"out": logits}, target)
+        _loss()({"out": logits}, target)
