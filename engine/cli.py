@@ -87,6 +87,12 @@ def describe_os_error(error: OSError, *, mentioned: str = "") -> str:
     return reason + (": " + " -> ".join(f"'{name}'" for name in names) if names else "")
 
 
+def describe_error(error: BaseException) -> str:
+    """The message of an error line: describe_os_error for an OSError (without str()'s "[Errno N]"),
+    else str(error)."""
+    return describe_os_error(error) if isinstance(error, OSError) else str(error)
+
+
 @contextmanager
 def writing(what: str, path: Any) -> Iterator[None]:
     """Let an OSError raised inside say what could not be written where: it becomes
@@ -114,13 +120,10 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     try:
         return body()
     except (ValueError, FileNotFoundError) as error:  # FileNotFoundError before OSError: it is one
-        print_error(prog, describe_os_error(error) if isinstance(error, OSError) else str(error))
+        print_error(prog, describe_error(error))
         return EXIT_USAGE
-    except OSError as error:
-        print_error(prog, describe_os_error(error))
-        return EXIT_FAILED
-    except CommandFailed as failure:
-        print_error(prog, str(failure))
+    except (OSError, CommandFailed) as error:
+        print_error(prog, describe_error(error))
         return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"{timestamp()} {prog}: interrupted", file=sys.stderr, flush=True)
