@@ -109,7 +109,12 @@ def writing(what: str, path: Any) -> Iterator[None]:
         if error.filename is None and error.filename2 is None and f"'{path}" in (error.strerror or str(error)):
             raise  # already names `path` or a file under it (engine.atomic quotes the file it writes)
         start = f"could not write {what} '{path}'"
-        raise OSError(error.errno, f"{start}: {describe_os_error(error, mentioned=start)}") from error
+        if isinstance(error, FileExistsError) and error.filename is not None and not os.path.isdir(error.filename):
+            # mkdir(exist_ok=True) on a file: "File exists" alone reads as if the output were the problem
+            detail = f"'{_file_name(error.filename)}' exists and is not a folder"
+        else:
+            detail = describe_os_error(error, mentioned=start)
+        raise OSError(error.errno, f"{start}: {detail}") from error
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:

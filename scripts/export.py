@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     if output.resolve() == checkpoint.resolve():
         raise ValueError(f"--output '{output}' is the checkpoint itself; choose another path")
     check_output_name(args.format, output)  # before anything is read or written
-    with writing("the export", output):  # an unwritable folder fails now, not after the export
+    # an unwritable folder fails now, not after the export; worded as engine.atomic words a failed write
+    with writing("safetensors file" if args.format == "safetensors" else "export", output):
         output.parent.mkdir(parents=True, exist_ok=True)
     if args.format == "safetensors":
         payload = load_checkpoint(checkpoint)

@@ -97,6 +97,12 @@ def test_writing_says_what_could_not_be_written_where(tmp_path):
                                           f"'{blocker / 'sub'}'")
     assert caught.value.filename is None  # the message names the files; str(error) is not doubled
 
+    with pytest.raises(FileExistsError) as caught:  # a regular file where a folder must be made
+        with writing("report", blocker / "metrics.json"):
+            write_atomically(blocker / "metrics.json", lambda file: file.write(b"{}"), what="report")
+    assert caught.value.strerror == (f"could not write report '{blocker / 'metrics.json'}': '{blocker}' exists "
+                                     "and is not a folder")
+
     def full(file):
         raise OSError(errno.ENOSPC, "No space left on device")
 

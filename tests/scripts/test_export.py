@@ -166,5 +166,10 @@ def test_an_unwritable_output_names_the_path_before_reading_the_checkpoint(check
     blocker.write_text("not a folder")
     output = blocker / "sub" / f"model{'.safetensors' if fmt == 'safetensors' else '.pt'}"
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 1
-    assert _error_lines(capsys) == [f"export.py: error: could not write the export '{output}': Not a directory: "
+    what = "safetensors file" if fmt == "safetensors" else "export"
+    assert _error_lines(capsys) == [f"export.py: error: could not write {what} '{output}': Not a directory: "
                                     f"'{blocker / 'sub'}'"]
+    output = blocker / output.name  # in the regular file's place: mkdir says "File exists"
+    assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 1
+    assert _error_lines(capsys) == [f"export.py: error: could not write {what} '{output}': '{blocker}' exists and is "
+                                    "not a folder"]
