@@ -134,9 +134,9 @@ def run(args: argparse.Namespace) -> Outcome:
 
     from data import BadSampleError, palette_image
     from data.base import read_image
-    from engine.cli import writing
     from data.transforms import normalize_batch
     from engine.checkpoint import load_inference_model
+    from engine.cli import writing
     from engine.devices import inference_device
     from engine.devices import autocast_for, log_precision
     from engine.inference import predict
