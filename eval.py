@@ -6,8 +6,10 @@
     torchrun --nproc_per_node 4 eval.py --checkpoint ... (disjoint shards, one all-reduced matrix)
 
 The model is rebuilt from the config stored in the checkpoint; KEY=VALUE overrides (e.g.
-data.root=/data/VOCdevkit/VOC2012) and the flags above apply on top of it. Errors (missing files, a
-checkpoint whose classes or architecture do not match the config) exit with status 2 and one line.
+data.root=/data/VOCdevkit/VOC2012) and the flags above apply on top of it.
+
+Exit status and error lines: engine/cli.py (2: missing files, a checkpoint whose classes or
+architecture do not match the config; 1: a report or prediction that cannot be written, named).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from engine.cli import TIME_FORMAT, run_command, writing  # the standard library only
 
 # The engine (torch, torchvision, albumentations) is imported after the arguments are parsed, so that
 # --help and argument errors answer at once.
@@ -113,8 +117,9 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
     from engine.visualize import save_png
 
     color_dir, label_dir = output_dir / "color", output_dir / "labels"
-    color_dir.mkdir(parents=True, exist_ok=True)
-    label_dir.mkdir(parents=True, exist_ok=True)
+    with writing("predictions under", output_dir):  # before the evaluation, not after it
+        color_dir.mkdir(parents=True, exist_ok=True)
+        label_dir.mkdir(parents=True, exist_ok=True)
     batches = list(loader.batch_sampler)  # the shard's indices, in the order the loader yields them
     palette = np.asarray(dataset.palette, dtype=np.uint8)
     # the benchmark servers' raw label values: Cityscapes labelIds, ADE20K 1..150
@@ -123,9 +128,10 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
     def save_batch(batch_index: int, predictions: Any, masks: Any) -> None:
         for index, prediction in zip(batches[batch_index], predictions.numpy().astype(np.uint8)):
             name = dataset.name_of(index)
-            save_png(palette_image(prediction, palette), color_dir / f"{name}.png")
-            labels = to_label_ids[prediction] if to_label_ids is not None else prediction
-            save_png(np.ascontiguousarray(labels, dtype=np.uint8), label_dir / f"{name}.png")
+            with writing("predictions under", output_dir):
+                save_png(palette_image(prediction, palette), color_dir / f"{name}.png")
+                labels = to_label_ids[prediction] if to_label_ids is not None else prediction
+                save_png(np.ascontiguousarray(labels, dtype=np.uint8), label_dir / f"{name}.png")
 
     return save_batch
 
@@ -146,6 +152,9 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     check_classes(args.checkpoint, classes, dataset, config.data, split)
     loader = build_eval_loader(dataset, batch_size=config.eval.batch_size, num_workers=config.data.num_workers,
                                pin_memory=device.type == "cuda")
+    if args.output and is_main:  # a report that cannot be written fails before the evaluation, not after it
+        with writing("report", args.output):
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     on_batch = None
     if args.save_predictions:
         on_batch = _prediction_saver(Path(args.save_predictions), loader, dataset, config)
@@ -192,23 +201,20 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
 
 
 def print_config(args: argparse.Namespace) -> int:
-    """--print-config: the checkpoint's config with the overrides and flags, read without its tensors."""
+    """--print-config: the checkpoint's config with the overrides and flags, read without its tensors
+    (FileNotFoundError / ValueError when it cannot be read)."""
     from engine.checkpoint import peek_checkpoint
     from engine.config import config_yaml, inference_config
 
-    try:
-        if not Path(args.checkpoint).is_file():
-            raise FileNotFoundError(f"checkpoint '{args.checkpoint}' not found (expected a .pt file written by "
-                                    "train.py)")
-        saved = peek_checkpoint(args.checkpoint)
-        if not saved or "config" not in saved:
-            raise ValueError(f"checkpoint '{args.checkpoint}' could not be read (truncated, corrupt, or not a "
-                             "syncseg checkpoint)")
-        config = inference_config(saved["config"], args.overrides, source=f"checkpoint '{args.checkpoint}'",
-                                  flags=_flags(args))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"eval.py: error: {error}", file=sys.stderr)
-        return 2
+    if not Path(args.checkpoint).is_file():
+        raise FileNotFoundError(f"checkpoint '{args.checkpoint}' not found (expected a .pt file written by "
+                                "train.py)")
+    saved = peek_checkpoint(args.checkpoint)
+    if not saved or "config" not in saved:
+        raise ValueError(f"checkpoint '{args.checkpoint}' could not be read (truncated, corrupt, or not a "
+                         "syncseg checkpoint)")
+    config = inference_config(saved["config"], args.overrides, source=f"checkpoint '{args.checkpoint}'",
+                              flags=_flags(args))
     header = (f"eval.py config: checkpoint {args.checkpoint} (iteration {saved.get('iteration', '?')}) with the "
               "overrides and flags; every key")
     print(config_yaml(config, header=header), end="")
@@ -221,35 +227,27 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Evaluate as the command line says; returns the exit status (engine/cli.py)."""
     args = parse_args(argv)
+    return run_command("eval.py", lambda: _evaluate(args))
+
+
+def _evaluate(args: argparse.Namespace) -> int:
     if args.print_config:
         return print_config(args)
     dist_info = None
     from engine.distributed import detect_launch, setup_distributed
 
-    try:
-        launch = detect_launch()  # torchrun or srun: each process evaluates its own shard
-        if launch.world_size > 1:
-            dist_info = setup_distributed(None, launch=launch)
-    except ValueError as error:
-        print(f"eval.py: error: {error}", file=sys.stderr)
-        return 2
+    launch = detect_launch()  # torchrun or srun: each process evaluates its own shard
+    if launch.world_size > 1:
+        dist_info = setup_distributed(None, launch=launch)
     is_main = dist_info is None or dist_info.is_main
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt=TIME_FORMAT)
     failed = True
     try:
         record, metrics = run(args, dist_info)
         failed = False
-    except (ValueError, FileNotFoundError) as error:
-        print(f"eval.py: error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # e.g. a full disk under --save-predictions: the message names the file
-        print(f"eval.py: error: {error.strerror or error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("eval.py: interrupted", file=sys.stderr)
-        return 130
     finally:
         if dist_info is not None:
             from engine.distributed import cleanup
@@ -261,11 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             from engine.atomic import write_atomically
 
             output, text = Path(args.output), (json.dumps(record, indent=2) + "\n").encode()
-            try:  # atomically: an earlier report at that path stays whole if this one cannot be written
+            with writing("report", output):  # atomically: an earlier report there stays whole if this one fails
                 write_atomically(output, lambda file: file.write(text), what="report")
-            except OSError as error:
-                print(f"eval.py: error: {error.strerror or error}", file=sys.stderr)
-                return 1
             logger.info("wrote %s", output)
     return 0
 

@@ -4,10 +4,11 @@
     torchrun --nproc_per_node 4 train.py --config voc.yaml [KEY=VALUE ...]
     srun python train.py --config voc.yaml ...   (one task per GPU; ranks from SLURM_*)
 
-Exit status: 0 when train.iters (or --stop-at) is reached; 2 for errors in the command line, the
-config, the data or the run dir (one line); 1 when training fails (a non-finite loss or weight, a
-checkpoint that cannot be written, a peer process that hung or vanished); 128 + the signal number
-(130 for SIGINT, 143 for SIGTERM) after a signal stopped the run and last.pt was saved.
+Exit status (the contract and the error line's form: engine/cli.py): 0 when train.iters (or --stop-at)
+is reached; 2 for errors in the command line, the config, the data or the run dir (one line); 1 when
+training fails (a non-finite loss or weight, a checkpoint that cannot be written, a peer process that
+hung or vanished); 128 + the signal number (130 for SIGINT, 143 for SIGTERM) after a signal stopped
+the run and last.pt was saved.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import os
 import shlex
 import signal
 import sys
+
+from engine.cli import TIME_FORMAT, describe_error, print_error  # the standard library only
 
 # The engine (torch, torchvision, albumentations) is imported after the arguments are parsed, so that
 # --help and argument errors answer at once.
@@ -55,7 +58,7 @@ def print_config(args: argparse.Namespace) -> int:
     try:
         config, origin = resolved_config(args.config, args.resume, args.overrides)
     except (ValueError, FileNotFoundError) as error:
-        print(f"train.py: error: {error}", file=sys.stderr)
+        print_error("train.py", describe_error(error))
         return 2
     print(config_yaml(config, header=f"train.py config: {origin}; every key, defaults included"), end="")
     return 0
@@ -95,19 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch = detect_launch()
     except ValueError as error:
-        print(f"train.py: error: {error}", file=sys.stderr)
+        print_error("train.py", describe_error(error))
         return 2
     logging.basicConfig(
         level=logging.INFO if launch.rank == 0 else logging.WARNING,
         format=f"%(asctime)s %(levelname)s{' [rank %d]' % launch.rank if launch.world_size > 1 else ''} "
                "%(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        datefmt=TIME_FORMAT,
     )
     try:
         timeout_s = dist_timeout(args.config, args.resume, args.overrides)
         dist_info = setup_distributed(args.gpus, timeout_s=timeout_s, launch=launch)
     except (ValueError, FileNotFoundError) as error:
-        print(f"train.py: error: {error}", file=sys.stderr)
+        print_error("train.py", describe_error(error))
         return 2
     plan = trainer = result = None
     code = 0
@@ -118,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         plan.resume = None  # the payload's tensors are in the model and optimizer now
         result = trainer.fit(stop_at=args.stop_at)
     except (ValueError, FileNotFoundError) as error:
-        code, message = 2, str(error)
+        code, message = 2, describe_error(error)
     except FloatingPointError as error:
         code, message = 1, str(error)
     except KeyboardInterrupt:
         code, message = 128 + signal.SIGINT, "interrupted a second time; stopped without saving"
     except OSError as error:  # e.g. a full disk; the message names the file
-        code, message = 1, f"rank {dist_info.rank}: {error}"
+        code, message = 1, f"rank {dist_info.rank}: {describe_error(error)}"
     except RuntimeError as error:
         if "DataLoader worker" in str(error):  # e.g. killed by the kernel's out-of-memory killer
             code, message = 1, (f"rank {dist_info.rank}: {str(error).strip().splitlines()[0]}; if the system ran "
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.release()
     if code:
         if dist_info.is_main or code == 1:
-            print(f"train.py: error: {message}", file=sys.stderr)
+            print_error("train.py", message)
         cleanup(synchronize=False)
         return code
     if dist_info.is_main:

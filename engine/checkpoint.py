@@ -50,6 +50,13 @@ SAFETENSORS_SUFFIX = ".safetensors"
 # .safetensors metadata entries (each a JSON string) that become payload keys
 SAFETENSORS_METADATA = ("format_version", "config", "classes", "iteration", "best_miou", "metrics", "run_id")
 
+def is_safetensors_name(path: str | Path) -> bool:
+    """Whether `path` is read as a .safetensors release file: the suffix, exactly SAFETENSORS_SUFFIX,
+    is what tells the formats apart (load_checkpoint, peek_checkpoint, load_weights_file), so
+    save_safetensors writes only under such a name."""
+    return Path(path).suffix == SAFETENSORS_SUFFIX
+
+
 _PLAIN_TYPES = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.Size, torch.dtype, torch.device)
 
 
@@ -95,7 +102,7 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
 
 def _read(path: Path, what: str) -> Any:
     """torch.load with weights_only=True, or a .safetensors release file read as a payload."""
-    is_safetensors = path.suffix == SAFETENSORS_SUFFIX
+    is_safetensors = is_safetensors_name(path)
     if is_safetensors and importlib.util.find_spec("safetensors") is None:
         raise ValueError(f"reading '{path}' needs the safetensors package (pip install -r requirements.txt)")
     try:
@@ -150,7 +157,13 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
 
 def save_safetensors(path: str | Path, payload: Mapping[str, Any]) -> None:
     """Write a payload's `model` as a .safetensors file with SAFETENSORS_METADATA as JSON metadata
-    (atomically, with the umask's mode, like save_checkpoint). Raises ValueError without safetensors."""
+    (atomically, with the umask's mode, like save_checkpoint). Raises ValueError, before writing
+    anything, without safetensors or when `path` does not end in SAFETENSORS_SUFFIX (the loaders would
+    take the file for a torch.save checkpoint and fail on it)."""
+    if not is_safetensors_name(path):
+        raise ValueError(f"'{path}': a safetensors file must be named *{SAFETENSORS_SUFFIX}, the suffix by which "
+                         "eval.py, predict.py and model.init_checkpoint know it (e.g. "
+                         f"'{Path(path).with_suffix(SAFETENSORS_SUFFIX)}')")
     try:
         from safetensors.torch import save
     except ImportError:
@@ -210,7 +223,7 @@ def peek_checkpoint(path: str | Path) -> dict[str, Any] | None:
     """The small entries (iteration, best_miou, run_id, ..., and the config) of a checkpoint, read
     without loading its tensors (memory-mapped); None when the file is missing or unreadable."""
     try:
-        if Path(path).suffix == SAFETENSORS_SUFFIX:
+        if is_safetensors_name(path):
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt", device="cpu") as file:

@@ -28,12 +28,15 @@ import torch
 from torch import nn
 
 from engine.atomic import write_atomically
+from engine.checkpoint import SAFETENSORS_SUFFIX
 from model.sync_batchnorm import revert_model
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("onnx", "torchscript", "exported", "safetensors")
-SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "exported": ".pt2", "safetensors": ".safetensors"}
+# the default file name's ending; safetensors' is required (engine.checkpoint.is_safetensors_name), the others'
+# are not: the loaders are told the format (load_runner), not the name
+SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "exported": ".pt2", "safetensors": SAFETENSORS_SUFFIX}
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
 METADATA_FILE = "syncseg.json"  # TorchScript / torch.export extra file holding the metadata
 TOLERANCE = 1e-4  # allowed max |exported - PyTorch|, relative to the logits' largest magnitude (at least 1)

@@ -8,8 +8,15 @@ The model takes normalized float32 images N x 3 x H x W (x / 255, then (x - mean
 checkpoint's data.mean / data.std; the file's metadata repeats them and the class names) and returns
 the logits N x C x H x W. Batch, height and width are dynamic. After writing, the file is run on a
 random sample of --size and on a second size, and compared with PyTorch (ONNX through onnxruntime when
-it is installed). Exit status: 0 written and matching (or not checkable, with a message), 1 the file
-does not match PyTorch, 2 a bad command line or checkpoint.
+it is installed).
+
+--format decides the file's format. A safetensors file must be named *.safetensors (eval.py, predict.py
+and model.init_checkpoint know it by that suffix) and no other format may use that suffix: a name that
+breaks this is refused before anything is written.
+
+Exit status and error lines: engine/cli.py (0 written and matching, or not checkable, with a
+message; 1 the file does not match PyTorch (a safetensors file that does not read back identical is
+removed), or it could not be written (named); 2 a bad command line, --output name or checkpoint).
 """
 from __future__ import annotations
 
@@ -60,10 +67,47 @@ def parse_size(text: str | None, default: tuple[int, int]) -> tuple[int, int]:
     return values[0], values[1]
 
 
+def check_output_name(fmt: str, output: Path) -> None:
+    """ValueError when `output`'s name would make the file misread: the loaders (eval.py, predict.py,
+    model.init_checkpoint) take a file for safetensors by its suffix and for a torch.save file otherwise
+    (engine.checkpoint.is_safetensors_name)."""
+    from engine.checkpoint import SAFETENSORS_SUFFIX, is_safetensors_name
+    from engine.export_formats import SUFFIXES
+
+    if fmt == "safetensors" and not is_safetensors_name(output):
+        raise ValueError(
+            f"--format safetensors: --output '{output}' ends in '{output.suffix}', not '{SAFETENSORS_SUFFIX}'; "
+            "eval.py, predict.py and model.init_checkpoint tell a safetensors file by that suffix and would not "
+            f"read this one: use a {SAFETENSORS_SUFFIX} name, e.g. '{output.with_suffix(SAFETENSORS_SUFFIX)}'")
+    if fmt != "safetensors" and is_safetensors_name(output):
+        raise ValueError(
+            f"--format {fmt}: --output '{output}' ends in '{SAFETENSORS_SUFFIX}', which eval.py, predict.py and "
+            f"model.init_checkpoint read as safetensors weights: use another name, e.g. "
+            f"'{output.with_suffix(SUFFIXES[fmt])}'")
+
+
+def _read_back_problem(path: Path, state: dict) -> str | None:
+    """None when the safetensors file at `path` loads as a checkpoint holding exactly `state`'s tensors,
+    else what is wrong with it."""
+    import torch
+
+    from engine.checkpoint import load_checkpoint
+
+    try:
+        reread = load_checkpoint(path)["model"]
+    except ValueError as error:
+        return f"does not read back: {error}"
+    if reread.keys() != state.keys() or not all(torch.equal(reread[key], value) for key, value in state.items()):
+        return "does not hold the checkpoint's tensors"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    """Export and check as `args` say; returns 0, or raises (engine/cli.py maps the exception)."""
     import torch
 
     from engine.checkpoint import load_checkpoint, load_inference_model, save_safetensors
+    from engine.cli import CommandFailed, writing
     from engine.export_formats import (SUFFIXES, MissingRuntimeError, check_against_pytorch, export_metadata, export_model,
                                export_ready, load_runner, sample_inputs)
 
@@ -73,15 +117,18 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else checkpoint.with_name(checkpoint.stem + SUFFIXES[args.format])
     if output.resolve() == checkpoint.resolve():
         raise ValueError(f"--output '{output}' is the checkpoint itself; choose another path")
+    check_output_name(args.format, output)  # before anything is read or written
+    # an unwritable folder fails now, not after the export; worded as engine.atomic words a failed write
+    with writing("safetensors file" if args.format == "safetensors" else "export", output):
+        output.parent.mkdir(parents=True, exist_ok=True)
     if args.format == "safetensors":
         payload = load_checkpoint(checkpoint)
-        save_safetensors(output, payload)
-        reread = load_checkpoint(output)
-        same = reread["model"].keys() == payload["model"].keys() and all(
-            torch.equal(reread["model"][key], value) for key, value in payload["model"].items())
-        if not same:
-            print(f"export.py: error: '{output}' does not hold the checkpoint's tensors", file=sys.stderr)
-            return 1
+        with writing("safetensors file", output):
+            save_safetensors(output, payload)
+        problem = _read_back_problem(output, payload["model"])
+        if problem is not None:  # a file the loaders would reject is not left behind
+            output.unlink(missing_ok=True)
+            raise CommandFailed(f"'{output}' {problem}; removed it")
         logger.info("wrote %s (%.1f MB): %d tensors, the config and classes as metadata; reads back identical",
                     output, output.stat().st_size / 2**20, len(payload["model"]))
         return 0
@@ -91,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     inputs = sample_inputs(height, width)
     metadata = export_metadata(classes=loaded.classes, config=loaded.config, checkpoint=checkpoint,
                                iteration=loaded.iteration)
-    dynamic = export_model(module, args.format, output, sample=inputs[0], metadata=metadata)
+    with writing("export", output):
+        dynamic = export_model(module, args.format, output, sample=inputs[0], metadata=metadata)
     logger.info("wrote %s (%s, %d classes; %s)", output, args.format, len(loaded.classes), dynamic)
     try:
         runner = load_runner(args.format, output)
@@ -100,26 +148,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
     result = check_against_pytorch(module, runner, inputs)
     if not result.passed:
-        print(f"export.py: error: '{output}' does not match PyTorch: {result.describe()}", file=sys.stderr)
-        return 1
+        raise CommandFailed(f"'{output}' does not match PyTorch: {result.describe()}")
     logger.info("checked against PyTorch: %s", result.describe())
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Export as the command line says; returns the exit status (engine/cli.py)."""
+    from engine.cli import TIME_FORMAT, run_command
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+                        datefmt=TIME_FORMAT)
     for chatty in ("onnx_ir", "onnxscript", "torch.onnx", "torch.export", "torch._export"):  # per-pass notes
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    try:
-        return run(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"export.py: error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # e.g. a full disk: the message names the file, an earlier export there is intact
-        print(f"export.py: error: {error.strerror or error}", file=sys.stderr)
-        return 1
+    return run_command("export.py", lambda: run(args))
 
 
 if __name__ == "__main__":

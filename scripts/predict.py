@@ -14,6 +14,12 @@ predicts at that long side, then resizes the logits back). An image whose long s
 LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it are likely much larger than
 the model ever saw, so set data.base_size (or use --mode slide for a model trained on crops of such
 images).
+
+An image of a folder that cannot be read is skipped with a warning naming it and the reason; the
+others are predicted, and the last line says how many (and which) failed. Exit status and error
+lines: engine/cli.py (0 every image written; 1 some image of a folder could not be read, or an output
+could not be written (named); 2 a bad command line, checkpoint or --input, a single unreadable
+--input file included).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,19 @@ logger = logging.getLogger("predict")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 LARGE_IMAGE_FACTOR = 2  # warn when the long side predicted at exceeds this many training crops
+NAMED_FAILURES = 3  # the summary names this many of the images that could not be read
+
+
+@dataclass
+class Outcome:
+    """What run() did: the images written and those skipped because they could not be read."""
+
+    num_images: int
+    skipped: list[Path] = field(default_factory=list)
+
+    @property
+    def num_written(self) -> int:
+        return self.num_images - len(self.skipped)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,28 +98,40 @@ def palette_for(dataset: str, num_classes: int) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Predict as the command line says; returns the exit status (engine/cli.py)."""
+    from engine.cli import TIME_FORMAT, CommandFailed, run_command
+
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    try:
-        count = run(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"predict.py: error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # e.g. a full disk: the message names the file
-        print(f"predict.py: error: {error.strerror or error}", file=sys.stderr)
-        return 1
-    logger.info("wrote masks and overlays for %d image(s) to %s", count, args.output)
-    return 0
+                        datefmt=TIME_FORMAT)
+
+    def body() -> int:
+        outcome = run(args)
+        if outcome.skipped:
+            names = ", ".join(str(path) for path in outcome.skipped[:NAMED_FAILURES])
+            more = len(outcome.skipped) - NAMED_FAILURES
+            raise CommandFailed(
+                f"{len(outcome.skipped)} of {outcome.num_images} image(s) could not be read and were skipped "
+                f"({names}{f' and {more} more' if more > 0 else ''}; the warnings above say why); wrote masks "
+                f"and overlays for the other {outcome.num_written} to {args.output}")
+        logger.info("wrote masks and overlays for %d image(s) to %s", outcome.num_written, args.output)
+        return 0
+
+    return run_command("predict.py", body)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> Outcome:
+    """Predict every image of --input. An unreadable image of a folder is skipped with a warning (and
+    counted in the Outcome); a single unreadable --input file is a ValueError, like the other errors
+    of the command line. An output that cannot be written is an OSError naming it (nothing is skipped:
+    the next image would meet the same full disk)."""
     import numpy as np
     import torch
 
-    from data import palette_image
+    from data import BadSampleError, palette_image
     from data.base import read_image
     from engine.checkpoint import load_inference_model
+    from engine.cli import writing
     from engine.devices import inference_device
     from engine.devices import log_precision
     from engine.inference import predict_batch
@@ -108,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.alpha <= 1.0:
         raise ValueError(f"--alpha {args.alpha} must lie in [0, 1]")
     images = find_images(Path(args.input))
+    single_file = Path(args.input).is_file()
+    output = Path(args.output)
+    with writing("masks and overlays under", output):  # before the model is loaded, not after the first image
+        output.mkdir(parents=True, exist_ok=True)
     device = inference_device(args.device)
     loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides,
                                   flags={"eval.mode": args.mode, "eval.scales": args.scales, "eval.flip": args.flip,
@@ -117,11 +153,17 @@ def run(args: argparse.Namespace) -> int:
     base_size = config.data.base_size
     eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
     uncoloured = background_indices(classes)
-    output = Path(args.output)
+    outcome = Outcome(num_images=len(images))
     large = []
     for image_path, stem in images:
-        # H x W x 3 uint8 RGB, upright as viewers show it; BadSampleError (a ValueError) if unreadable
-        image = read_image(image_path, exif_orientation=True)
+        try:  # H x W x 3 uint8 RGB, upright as viewers show it
+            image = read_image(image_path, exif_orientation=True)
+        except BadSampleError as error:  # names the file and the reason
+            if single_file:
+                raise
+            logger.warning("skipping %s: %s", image_path, error)
+            outcome.skipped.append(image_path)
+            continue
         height, width = image.shape[:2]
         crop = config.data.crop_size  # (height, width)
         if too_large(max(height, width), base_size=base_size, crop_size=max(crop), mode=eval_cfg.mode):
@@ -139,16 +181,19 @@ def run(args: argparse.Namespace) -> int:
                                    long_side=base_size)
         labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()
         target = output / stem  # save_png creates the folders
-        save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
-        save_png(overlay(image, labels, palette, alpha=args.alpha, uncoloured=uncoloured),
-                 target.with_name(f"{target.name}_overlay.png"))
+        with writing("masks and overlays under", output):
+            save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
+            save_png(overlay(image, labels, palette, alpha=args.alpha, uncoloured=uncoloured),
+                     target.with_name(f"{target.name}_overlay.png"))
         present = ", ".join(classes[index] for index in np.unique(labels))
         logger.info("%s (%dx%d): %s", image_path, width, height, present)
     if len(large) > 1:
         logger.warning("%d of %d images were that large (see the warning above)", len(large), len(images))
     if args.legend:
-        save_png(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4))), output / "legend.png")
-    return len(images)
+        with writing("the legend under", output):
+            save_png(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4))),
+                     output / "legend.png")
+    return outcome
 
 
 def too_large(long_side: int, *, base_size: int, crop_size: int, mode: str) -> bool:

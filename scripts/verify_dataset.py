@@ -5,8 +5,9 @@ per-class pixel frequencies (with median-frequency class weights usable as train
     python scripts/verify_dataset.py --config cityscapes.yaml --splits val --workers 8 --output stats.json
     python scripts/verify_dataset.py --config ade20k.yaml data.root=/data/ADEChallengeData2016
 
-Exit status: 0 when every sample is good, 1 when some are bad (each is listed), 2 when the dataset or
-config cannot be opened. A count that differs from the official one is reported, not an error.
+Exit status and error lines: engine/cli.py (0 every sample is good; 1 some are bad (each is listed),
+or --output cannot be written (named); 2 the dataset or config cannot be opened). A count that
+differs from the official one is reported, not an error.
 """
 from __future__ import annotations
 
@@ -102,19 +103,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=0, help="check only the first N samples of each split")
     parser.add_argument("--output", default="", help="also write the statistics as JSON here")
     args = parser.parse_args(argv)
+    from engine.cli import run_command
+
+    return run_command("verify_dataset.py", lambda: verify(args))
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Check the splits `args` name and print the report; returns 0, or 1 when some sample is bad.
+    FileNotFoundError / ValueError when the config or a dataset cannot be opened."""
     from data import build_dataset
+    from engine.atomic import write_atomically
+    from engine.cli import writing
     from engine.config import load_config
 
-    try:
-        config = load_config(args.config, args.overrides)
-        data_cfg = config.data
-        splits = [s for s in args.splits.split(",") if s] or list(dict.fromkeys([data_cfg.train_split,
-                                                                                    data_cfg.val_split]))
-        datasets = {split: build_dataset(data_cfg, split, train=False) for split in splits}
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
+    config = load_config(args.config, args.overrides)
+    data_cfg = config.data
+    splits = [s for s in args.splits.split(",") if s] or list(dict.fromkeys([data_cfg.train_split,
+                                                                                data_cfg.val_split]))
+    datasets = {split: build_dataset(data_cfg, split, train=False) for split in splits}
     report: dict[str, Any] = {"dataset": data_cfg.dataset, "root": data_cfg.root, "splits": {}}
     total_bad = 0
     for split, dataset in datasets.items():
@@ -140,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"  classes with no pixels: {', '.join(missing)}")
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2))
+        text = json.dumps(report, indent=2).encode()
+        with writing("statistics", args.output):  # atomically: an earlier file there stays whole on failure
+            write_atomically(Path(args.output), lambda file: file.write(text), what="statistics")
         print(f"wrote {args.output}")
     return 1 if total_bad else 0
 

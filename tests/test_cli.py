@@ -6,6 +6,7 @@ import argparse
 import importlib
 import inspect
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -118,3 +119,69 @@ def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, cap
     assert printed["train"]["iters"] == 9 and printed["model"]["pretrained_backbone"] == "none"
     assert evaluate.main(["--checkpoint", str(tmp_path / "none.pt"), "--print-config"]) == 2
     assert "none.pt" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the error contract (engine/cli.py)
+CONTRACT_CLIS = {"eval.py": "eval", "scripts/predict.py": "scripts.predict", "scripts/export.py": "scripts.export",
+                 "scripts/verify_dataset.py": "scripts.verify_dataset"}
+ERROR_LINE = re.compile(r"\d\d:\d\d:\d\d (\S+): error: (.*)")
+
+
+@pytest.mark.parametrize("path", ["train.py", *CONTRACT_CLIS])
+def test_every_cli_points_to_the_contract_and_prints_no_error_line_of_its_own(path):
+    source = (ROOT / path).read_text()
+    docstring = importlib.import_module(CONTRACT_CLIS.get(path, "train")).__doc__
+    assert "engine/cli.py" in docstring, f"{path}'s docstring does not point to engine/cli.py for its exit status"
+    assert not re.search(r"""print\(f?["'][^"']*error:""", source), f"{path} formats an error line itself"
+
+
+def _contract_arguments(module_name: str, tmp_path: Path) -> list[str]:
+    return {"eval": ["--checkpoint", str(tmp_path / "c.pt")],
+            "scripts.predict": ["--checkpoint", str(tmp_path / "c.pt"), "--input", str(tmp_path),
+                                "--output", str(tmp_path / "out")],
+            "scripts.export": ["--checkpoint", str(tmp_path / "c.pt"), "--format", "onnx"],
+            "scripts.verify_dataset": ["--config", "demo.yaml"]}[module_name]
+
+
+@pytest.mark.parametrize("raised,code,message", [
+    (ValueError("bad value"), 2, "bad value"),
+    (PermissionError(13, "Permission denied", "/ro/out.json"), 1, "Permission denied: '/ro/out.json'"),
+    (KeyboardInterrupt(), 130, None),
+], ids=["ValueError", "OSError", "KeyboardInterrupt"])
+@pytest.mark.parametrize("path", list(CONTRACT_CLIS))
+def test_every_cli_maps_failures_to_the_contract(path, raised, code, message, tmp_path, monkeypatch, capsys):
+    module = importlib.import_module(CONTRACT_CLIS[path])
+
+    def body(*args, **kwargs):
+        raise raised
+
+    # the function holding each CLI's work, under the one run_command
+    monkeypatch.setattr(module, "verify" if path.endswith("verify_dataset.py") else "run", body)
+    if path == "eval.py":  # eval.py sets up the launch first
+        import engine.distributed
+
+        monkeypatch.setattr(engine.distributed, "detect_launch", lambda: type("Launch", (), {"world_size": 1})())
+    prog = Path(path).name
+    assert module.main(_contract_arguments(CONTRACT_CLIS[path], tmp_path)) == code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    if message is None:
+        assert re.fullmatch(rf"\d\d:\d\d:\d\d {re.escape(prog)}: interrupted", lines[0])
+    else:
+        assert ERROR_LINE.fullmatch(lines[0]).groups() == (prog, message)
+
+
+def test_verify_dataset_errors_follow_the_contract(tmp_path, capsys):
+    verify = importlib.import_module("scripts.verify_dataset")
+    assert verify.main(["--config", "demo.yaml", "data.root_typo=1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    prog, message = ERROR_LINE.fullmatch(line).groups()
+    assert prog == "verify_dataset.py" and "data.root_typo" in message
+    blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
+    blocker.write_text("not a folder")
+    output = blocker / "sub" / "stats.json"
+    assert verify.main(["--config", "demo.yaml", "data.synthetic_val_size=2", "data.num_workers=0", "--splits", "val",
+                        "--output", str(output)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ERROR_LINE.fullmatch(err[0]).groups() == (
+        "verify_dataset.py", f"could not write statistics '{output}': Not a directory: '{blocker / 'sub'}'")

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,13 +145,36 @@ def test_mismatches_are_one_line_errors(synthetic_checkpoint, capsys, overrides,
     code = cli.main(["--checkpoint", str(synthetic_checkpoint[0]), "--device", "cpu", "--no-progress", *overrides])
     error = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert len(error) == 1 and message in error[0] and error[0].startswith("eval.py: error:")
+    assert len(error) == 1 and message in error[0] and re.match(r"\d\d:\d\d:\d\d eval\.py: error: ", error[0])
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
     cli = _load_cli()
     assert cli.main(["--checkpoint", str(tmp_path / "missing.pt"), "--device", "cpu"]) == 2
     assert "missing.pt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,what", [("--output", "report"), ("--save-predictions", "predictions under")])
+def test_an_unwritable_output_names_the_path_and_fails_before_evaluating(synthetic_checkpoint, tmp_path, capsys,
+                                                                         monkeypatch, flag, what):
+    import engine.evaluate
+
+    def never(*args, **kwargs):
+        raise AssertionError("evaluated although the output cannot be written")
+
+    monkeypatch.setattr(engine.evaluate, "evaluate", never)
+    blocker = tmp_path / "file.txt"  # a regular file: writing under it fails, also as root (unlike chmod)
+    blocker.write_text("not a folder")
+    target = blocker / "sub" / ("metrics.json" if flag == "--output" else "predictions")
+    cli = _load_cli()
+    assert cli.main(["--checkpoint", str(synthetic_checkpoint[0]), "--device", "cpu", "--no-progress",
+                     flag, str(target)]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1, error
+    time, rest = error[0].split(" ", 1)
+    assert re.fullmatch(r"\d\d:\d\d:\d\d", time)
+    refused = blocker / "sub" if flag == "--output" else target / "color"  # the folder the OS could not make
+    assert rest == f"eval.py: error: could not write {what} '{target}': Not a directory: '{refused}'"
 
 
 def _fake_cityscapes(root: Path, count: int = 2) -> list[str]:

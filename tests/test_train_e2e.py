@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,7 +164,7 @@ def test_bad_command_lines_exit_nonzero_with_one_line_reason(args, fragment, tmp
     assert code == 2, stderr[-2000:]
     error_lines = [line for line in stderr.splitlines() if "error" in line.lower()]
     assert len(error_lines) == 1, stderr[-2000:]
-    assert error_lines[0].startswith("train.py: error:") and fragment in error_lines[0]
+    assert re.match(r"\d\d:\d\d:\d\d train\.py: error: ", error_lines[0]) and fragment in error_lines[0]
     assert not (tmp_path / "run" / "last.pt").exists()
 
 
@@ -226,4 +227,5 @@ def test_fine_tuning_from_torchvision_deeplabv3_weights_loads_all_but_the_classi
                        f"model.init_checkpoint={path}", "model.arch=deeplabv3"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert code == 2 and len(errors) == 1, errors
-    assert errors[0].startswith("train.py: error: model.init_checkpoint") and "does not fit the model" in errors[0]
+    assert re.match(r"\d\d:\d\d:\d\d train\.py: error: model\.init_checkpoint", errors[0])
+    assert "does not fit the model" in errors[0]

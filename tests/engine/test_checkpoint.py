@@ -226,6 +226,15 @@ def test_a_safetensors_release_file_loads_like_a_checkpoint(tmp_path):
         load_checkpoint(release)
 
 
+@pytest.mark.parametrize("name", ["release.pt", "release", "release.SAFETENSORS"])
+def test_safetensors_are_written_only_under_the_name_the_loaders_read_as_safetensors(tmp_path, name):
+    from engine.checkpoint import save_safetensors
+
+    with pytest.raises(ValueError, match=r"must be named \*\.safetensors.*e\.g\. '.*release\.safetensors'"):
+        save_safetensors(tmp_path / name, {"model": {"w": torch.ones(2)}})
+    assert list(tmp_path.iterdir()) == []  # nothing written: load_checkpoint would have taken it for torch.save's
+
+
 # ------------------------------------------------------------------------------ fine-tuning files
 def _small_model(num_classes: int, **settings) -> nn.Module:
     values = dict(arch="deeplabv3plus", backbone="resnet18", head_channels=8)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 import zipfile
 
@@ -17,6 +18,13 @@ TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,
 
 def _script():
     return importlib.import_module("scripts.export")
+
+
+def _error_lines(capsys) -> list[str]:
+    """stderr's lines, each an error line, without its HH:MM:SS stamp (which each must have)."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert all(re.match(r"\d\d:\d\d:\d\d export\.py: error: ", line) for line in lines), lines
+    return [line.split(" ", 1)[1] for line in lines]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +85,7 @@ def test_onnx_without_onnxruntime_writes_the_file_and_says_it_was_not_checked(ch
 def test_bad_arguments_are_one_line(checkpoint, args, fragment, capsys):
     args = [arg.replace("{checkpoint}", str(checkpoint)) for arg in args]
     assert _script().main(["--checkpoint", str(checkpoint), "--format", "torchscript", *args]) == 2
-    error = capsys.readouterr().err.strip().splitlines()
+    error = _error_lines(capsys)
     assert len(error) == 1 and fragment in error[0]
 
 
@@ -90,13 +98,78 @@ def test_a_missing_checkpoint_names_it(tmp_path, capsys):
 def test_a_full_disk_is_one_line_naming_the_file_and_an_earlier_export_there_stays(checkpoint, small_disk, fmt,
                                                                                    capsys):
     # the tiny model's ~45 MB of weights on a 4 MiB filesystem: every format's real writer runs out of space
-    output = small_disk / f"model.{fmt}"
+    output = small_disk / ("model.safetensors" if fmt == "safetensors" else f"model.{fmt}")
     output.write_bytes(b"an earlier export")
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output),
                            "--size", "32,32"]) == 1
-    error = capsys.readouterr().err.strip().splitlines()
     what = "safetensors file" if fmt == "safetensors" else "export"
-    assert error == [f"export.py: error: could not write {what} '{output}': No space left on device; the previous "
-                     "file there (if any) is unchanged"]
+    assert _error_lines(capsys) == [f"export.py: error: could not write {what} '{output}': No space left on "
+                                    "device; the previous file there (if any) is unchanged"]
     assert output.read_bytes() == b"an earlier export"
     assert sorted(p.name for p in small_disk.iterdir()) == [output.name]  # no temporary file left
+
+
+@pytest.mark.parametrize("fmt,name,fragment", [
+    ("safetensors", "release.pt", "--output '{output}' ends in '.pt', not '.safetensors'"),
+    ("safetensors", "release", "use a .safetensors name, e.g. '{folder}/release.safetensors'"),
+    ("torchscript", "model.safetensors", "read as safetensors weights: use another name, e.g. "
+                                         "'{folder}/model.torchscript.pt'"),
+])
+def test_a_name_the_loaders_would_misread_is_refused_before_anything_is_written(checkpoint, tmp_path, capsys,
+                                                                                 monkeypatch, fmt, name, fragment):
+    import engine.checkpoint
+
+    def never(*args, **kwargs):
+        raise AssertionError("read the checkpoint although the output name is refused")
+
+    monkeypatch.setattr(engine.checkpoint, "load_checkpoint", never)
+    monkeypatch.setattr(engine.checkpoint, "load_inference_model", never)
+    folder = tmp_path / "out"
+    output = folder / name
+    assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 2
+    (error,) = _error_lines(capsys)
+    assert error.startswith(f"export.py: error: --format {fmt}: ")
+    assert fragment.format(output=output, folder=folder) in error
+    assert not folder.exists()  # nothing written, not even the folder
+
+
+def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_path, capsys, monkeypatch):
+    import engine.checkpoint
+
+    real = engine.checkpoint.load_checkpoint
+
+    def corrupting(path, **kwargs):
+        payload = real(path, **kwargs)
+        if str(path).endswith(".safetensors"):
+            first = next(iter(payload["model"]))
+            payload["model"][first] = payload["model"][first] + 1
+        return payload
+
+    monkeypatch.setattr(engine.checkpoint, "load_checkpoint", corrupting)
+    output = tmp_path / "release.safetensors"
+    assert _script().main(["--checkpoint", str(checkpoint), "--format", "safetensors", "--output", str(output)]) == 1
+    assert _error_lines(capsys) == [f"export.py: error: '{output}' does not hold the checkpoint's tensors; removed it"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "safetensors"])
+def test_an_unwritable_output_names_the_path_before_reading_the_checkpoint(checkpoint, tmp_path, capsys,
+                                                                           monkeypatch, fmt):
+    import engine.checkpoint
+
+    def never(*args, **kwargs):
+        raise AssertionError("read the checkpoint although the output cannot be written")
+
+    monkeypatch.setattr(engine.checkpoint, "load_checkpoint", never)
+    monkeypatch.setattr(engine.checkpoint, "load_inference_model", never)
+    blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
+    blocker.write_text("not a folder")
+    output = blocker / "sub" / f"model{'.safetensors' if fmt == 'safetensors' else '.pt'}"
+    assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 1
+    what = "safetensors file" if fmt == "safetensors" else "export"
+    assert _error_lines(capsys) == [f"export.py: error: could not write {what} '{output}': Not a directory: "
+                                    f"'{blocker / 'sub'}'"]
+    output = blocker / output.name  # in the regular file's place: mkdir says "File exists"
+    assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 1
+    assert _error_lines(capsys) == [f"export.py: error: could not write {what} '{output}': '{blocker}' exists and is "
+                                    "not a folder"]

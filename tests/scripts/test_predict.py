@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -194,10 +195,79 @@ def test_a_full_disk_is_one_line_naming_the_image_and_leaves_no_partial_file(che
                                 "--device", "cpu", "data.base_size=64"])
     assert code == 1
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and error[0].startswith(f"predict.py: error: could not write image '{small_disk}/")
+    assert len(error) == 1 and re.match(rf"\d\d:\d\d:\d\d predict\.py: error: could not write image '{small_disk}/",
+                                        error[0]), error
     assert error[0].endswith(": No space left on device; the previous file there (if any) is unchanged")
     written = sorted(p.name for p in small_disk.iterdir())
     assert written and not [name for name in written if name.startswith(".")]  # no temporary file left
     for name in written:  # every file there is a whole PNG
         with Image.open(small_disk / name) as image:
             image.load()
+
+
+def _error_lines(capsys) -> list[str]:
+    """stderr's error lines without their HH:MM:SS stamp (which each must have)."""
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if ": error: " in line]
+    assert all(re.match(r"\d\d:\d\d:\d\d predict\.py: error: ", line) for line in lines), lines
+    return [line.split(" ", 1)[1] for line in lines]
+
+
+def test_an_unreadable_image_in_a_folder_is_skipped_and_counted(checkpoint, tmp_path, capsys, caplog):
+    path = checkpoint[0]
+    inputs = tmp_path / "in"
+    (inputs / "sub").mkdir(parents=True)
+    for name in ("a.png", "sub/c.png"):
+        Image.fromarray(np.full((16, 16, 3), 90, dtype=np.uint8)).save(inputs / name)
+    (inputs / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")  # sorted between the two good ones
+    (inputs / "d.jpg").write_bytes(b"")
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING"):
+        code = _load_script().main(["--checkpoint", str(path), "--input", str(inputs), "--output", str(out),
+                                    "--device", "cpu"])
+    assert code == 1
+    assert (out / "a_mask.png").is_file() and (out / "sub" / "c_overlay.png").is_file()  # before and after it
+    assert not list(out.glob("b_*")) and not list(out.glob("d_*"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("skipping" in w for w in warnings), warnings
+    assert str(inputs / "b.png") in warnings[0] and "not an image" in warnings[0]
+    (error,) = _error_lines(capsys)
+    assert error.startswith(f"predict.py: error: 2 of 4 image(s) could not be read and were skipped "
+                            f"({inputs / 'b.png'}, {inputs / 'd.jpg'}; ")
+    assert error.endswith(f"wrote masks and overlays for the other 2 to {out}")
+
+
+def test_the_summary_names_a_few_failures_and_counts_the_rest(checkpoint, tmp_path, capsys):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for index in range(5):
+        (inputs / f"{index}.png").write_bytes(b"")
+    assert _load_script().main(["--checkpoint", str(checkpoint[0]), "--input", str(inputs), "--output",
+                                str(tmp_path / "out"), "--device", "cpu"]) == 1
+    (error,) = _error_lines(capsys)
+    assert f"5 of 5 image(s) could not be read and were skipped ({inputs / '0.png'}, {inputs / '1.png'}, " \
+           f"{inputs / '2.png'} and 2 more;" in error
+
+
+def test_a_single_unreadable_input_file_is_a_bad_input(checkpoint, tmp_path, capsys):
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    assert _load_script().main(["--checkpoint", str(checkpoint[0]), "--input", str(tmp_path / "broken.png"),
+                                "--output", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    (error,) = _error_lines(capsys)
+    assert error.startswith(f"predict.py: error: cannot read image '{tmp_path / 'broken.png'}'")
+
+
+def test_an_unwritable_output_names_the_path_before_loading_the_model(checkpoint, tmp_path, capsys, monkeypatch):
+    import engine.checkpoint
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded the model although the output cannot be written")
+
+    monkeypatch.setattr(engine.checkpoint, "load_inference_model", never)
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / "y.png")
+    blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
+    blocker.write_text("not a folder")
+    out = blocker / "sub"
+    assert _load_script().main(["--checkpoint", str(checkpoint[0]), "--input", str(tmp_path / "y.png"),
+                                "--output", str(out), "--device", "cpu"]) == 1
+    assert _error_lines(capsys) == [f"predict.py: error: could not write masks and overlays under '{out}': "
+                                    "Not a directory"]
