@@ -16,7 +16,7 @@
     loss.py          SegmentationLoss;  accumulation.py  micro-batches of one step;  optim.py  groups, optimizer, LR
     reporting.py     metrics.jsonl, TensorBoard, progress lines;  visualize.py  grids, legends, overlays
     export_formats.py  ONNX / TorchScript / torch.export / safetensors files, checked against PyTorch
-    atomic.py        atomic file writes
+    atomic.py        atomic file writes;  cli.py  the error contract (exit statuses, error lines) of every command
 
 Imports point down only: command lines -> engine -> model, data -> model.sync_batchnorm -> torch. Importing
 the package imports nothing (no side effects); import the module you need.

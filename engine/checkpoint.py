@@ -35,6 +35,7 @@ from engine.atomic import write_atomically
 from engine.config import Config, from_dict, inference_config
 from engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
 from engine.seeding import capture_rng_state, restore_rng_state
+from model.backbones import unwrap_state_dict
 from model.builder import LoadedWeights, build_model, load_segmentation_weights, state_dict_problems
 
 logger = logging.getLogger(__name__)
@@ -190,19 +191,13 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
             "a segmentation state dict such as torchvision's deeplabv3_resnet101_coco-586e9e4e.pth (nothing is "
             "downloaded: fetch it on a machine with network access and copy it to that path)")
     loaded = _read(path, "model.init_checkpoint weights file")
-    kind = "a plain state dict"
-    if isinstance(loaded, Mapping) and "format_version" in loaded and isinstance(loaded.get("model"), Mapping):
-        loaded, kind = loaded["model"], f"a syncseg checkpoint, iteration {loaded.get('iteration', '?')}"
-    elif isinstance(loaded, Mapping):
-        for key in ("state_dict", "model"):
-            if isinstance(loaded.get(key), Mapping):
-                loaded, kind = loaded[key], f"a state dict under '{key}'"
-                break
-    if not isinstance(loaded, Mapping) or not loaded or not all(
-            isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in loaded.items()):
+    state_dict, where = unwrap_state_dict(loaded)  # the one unwrap, shared with backbone weight files
+    if state_dict is None:
         raise ValueError(f"model.init_checkpoint '{path}' holds no state dict (a mapping of names to tensors, "
                          "possibly under 'model' or 'state_dict')")
-    return dict(loaded), kind
+    if where == "model" and "format_version" in loaded:
+        return state_dict, f"a syncseg checkpoint, iteration {loaded.get('iteration', '?')}"
+    return state_dict, f"a state dict under '{where}'" if where else "a plain state dict"
 
 
 def init_from_weights(model: nn.Module, path: str | Path, *, model_cfg: Any) -> LoadedWeights:

@@ -1,8 +1,8 @@
 """Randomness that a resumed run replays exactly: per-sample seeds, worker init, every RNG's state.
 
-A training sample is loaded as (index, seed): `SeededDataset` seeds python, numpy, torch and the
-dataset's augmentation pipelines from that seed, so a sample's augmentation depends on neither the
-worker nor the process that loads it. `capture_rng_state` / `restore_rng_state` carry every global RNG
+A training sample is loaded as (index, seed): `SeededDataset` seeds python, numpy and torch from that
+seed, and the dataset's augmentation draws its own seed from torch (data.transforms.PairTransform), so a
+sample's augmentation depends on neither the worker nor the process that loads it. `capture_rng_state` / `restore_rng_state` carry every global RNG
 of a process through a checkpoint (tensors and primitives only, so it loads with weights_only=True).
 """
 from __future__ import annotations
@@ -30,39 +30,14 @@ def seed_process(seed: int, rank: int) -> None:
     np.random.seed(mix_seed(seed, "numpy", rank) % 2**32)
 
 
-def find_seedable(obj: Any, depth: int = 3, seen: set[int] | None = None) -> list[Any]:
-    """Objects reachable from `obj` through attributes/lists that own a random state to reseed
-    (albumentations pipelines keep one, independent of numpy's global seed)."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth < 0 or isinstance(obj, (str, bytes, int, float, np.ndarray, torch.Tensor)):
-        return []
-    if isinstance(obj, (list, tuple, dict)) and len(obj) > 64:  # a list of samples, not of transforms
-        return []
-    seen.add(id(obj))
-    if callable(getattr(obj, "set_random_seed", None)) and not isinstance(obj, type):
-        return [obj]  # a Compose seeds its children itself
-    found: list[Any] = []
-    children: list[Any] = []
-    if isinstance(obj, (list, tuple)):
-        children = list(obj)
-    elif isinstance(obj, dict):
-        children = list(obj.values())
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        children = list(vars(obj).values())
-    for child in children:
-        found += find_seedable(child, depth - 1, seen)
-    return found
-
-
 class SeededDataset(Dataset):
-    """Wraps a dataset so that item (index, seed) is produced with every RNG seeded from `seed`:
-    python random, numpy, torch and the dataset's augmentation pipelines. The caller's global RNG
+    """Wraps a dataset so that item (index, seed) is produced with python random, numpy and torch seeded
+    from `seed` (augmentation pipelines seed themselves from torch: data.transforms.PairTransform). The caller's global RNG
     states are restored afterwards, so loading in the main process (num_workers=0) does not perturb
     training's random stream."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
-        self._seedable = find_seedable(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -83,8 +58,6 @@ class SeededDataset(Dataset):
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-        for pipeline in self._seedable:
-            pipeline.set_random_seed(seed)
         return self.dataset[index]
 
 

@@ -35,7 +35,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import urlparse
 
 import torch
@@ -258,20 +258,32 @@ def imagenet_weights_file(name: str) -> Path:
     return path
 
 
+def unwrap_state_dict(loaded: Any) -> tuple[dict[str, Tensor] | None, str]:
+    """The state dict in a loaded weights file: the object itself, or its "state_dict" or "model" entry
+    (how training scripts commonly wrap one), and where it was ("" for the object itself). (None, "")
+    when there is no non-empty mapping of names to tensors."""
+    where = ""
+    if isinstance(loaded, Mapping):
+        for key in ("state_dict", "model"):
+            if isinstance(loaded.get(key), Mapping):
+                loaded, where = loaded[key], key
+                break
+    if not isinstance(loaded, Mapping) or not loaded or not all(
+            isinstance(key, str) and isinstance(value, Tensor) for key, value in loaded.items()):
+        return None, ""
+    return dict(loaded), where
+
+
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
     # model/ may not import engine/checkpoint.py (import rule), so this is the one torch.load outside it.
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # corrupt / not a torch file
         raise ValueError(f"backbone weights file '{path}' could not be read as a state dict: {error}") from None
-    if isinstance(loaded, Mapping):
-        for key in ("state_dict", "model"):
-            if isinstance(loaded.get(key), Mapping):
-                loaded = loaded[key]
-                break
-    if not isinstance(loaded, Mapping) or not all(isinstance(v, Tensor) for v in loaded.values()):
+    state_dict, _ = unwrap_state_dict(loaded)
+    if state_dict is None:
         raise ValueError(f"backbone weights file '{path}' does not hold a state dict (a mapping of names to tensors)")
-    return dict(loaded)
+    return state_dict
 
 
 def to_backbone_keys(backbone: nn.Module, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:

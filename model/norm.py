@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from model.sync_batchnorm import SynchronizedBatchNorm2d, adopt_norm_state
 
 
 class NormLayer(Protocol):
@@ -106,15 +106,7 @@ def _replacement(norm: nn.BatchNorm2d, layer: Callable[..., nn.Module]) -> nn.Mo
         new.drop, new.act = norm.drop, norm.act
     else:
         new = layer(norm.num_features, eps=norm.eps, momentum=momentum)
-    if isinstance(new, FrozenBatchNorm2d):  # buffers only: copy the values
-        for name in ("weight", "bias", "running_mean", "running_var"):
-            getattr(new, name).copy_(getattr(norm, name).detach())
-    else:  # the same tensors, as model.sync_batchnorm.convert_model does
-        new.weight, new.bias = norm.weight, norm.bias
-        new.running_mean, new.running_var = norm.running_mean, norm.running_var
-        new.num_batches_tracked = norm.num_batches_tracked
-    new.train(norm.training)
-    return new
+    return adopt_norm_state(new, norm)  # the swap convert_model does: same tensors, mode and hooks
 
 
 def adopt_batch_norms(module: nn.Module, norm_layer: Callable[..., nn.Module]) -> nn.Module:

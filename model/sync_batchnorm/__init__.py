@@ -3,7 +3,7 @@
 Standalone: depends on torch and the standard library only.
 """
 from .batchnorm import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
-from .conversion import convert_model, revert_model
+from .conversion import adopt_norm_state, convert_model, revert_model
 from .comm import FutureResult, SlavePipe, SyncAbortedError, SyncMaster
 from .replicate import (
     CallbackContext,
@@ -16,6 +16,7 @@ __all__ = [
     "SynchronizedBatchNorm1d",
     "SynchronizedBatchNorm2d",
     "SynchronizedBatchNorm3d",
+    "adopt_norm_state",
     "convert_model",
     "revert_model",
     "FutureResult",

@@ -11,23 +11,34 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .batchnorm import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
 from .replicate import DataParallelWithCallback
 
-__all__ = ["convert_model", "revert_model"]
+__all__ = ["adopt_norm_state", "convert_model", "revert_model"]
 
 _TO_SYNC = {nn.BatchNorm1d: SynchronizedBatchNorm1d, nn.BatchNorm2d: SynchronizedBatchNorm2d,
             nn.BatchNorm3d: SynchronizedBatchNorm3d}
 _TO_PLAIN = {sync: plain for plain, sync in _TO_SYNC.items()}
 
 
+def adopt_norm_state(new: nn.Module, old: nn.Module) -> nn.Module:
+    """Make the norm layer `new` stand in for `old`: the same parameter and buffer tensors (weight, bias,
+    running statistics, counter), `old`'s train/eval mode and its forward hooks. Where `new` keeps a
+    tensor as a buffer that `old` has as a parameter (a frozen layer), the values are copied instead."""
+    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+        if not hasattr(old, name) or not hasattr(new, name):
+            continue  # e.g. a frozen layer without a batch counter
+        if name in new._buffers and name in old._parameters:
+            getattr(new, name).copy_(getattr(old, name).detach())
+        else:
+            setattr(new, name, getattr(old, name))
+    new.train(old.training)
+    for hook_dict in ("_forward_hooks", "_forward_pre_hooks"):
+        getattr(new, hook_dict).update(getattr(old, hook_dict))
+    return new
+
+
 def _swap_norm(module: _BatchNorm, new_class: type) -> _BatchNorm:
     """A `new_class` layer sharing `module`'s parameters and buffers (same tensors, same flags)."""
     new = new_class(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-    new.weight, new.bias = module.weight, module.bias
-    new.running_mean, new.running_var = module.running_mean, module.running_var
-    new.num_batches_tracked = module.num_batches_tracked
-    new.train(module.training)
-    for hook_dict in ("_forward_hooks", "_forward_pre_hooks"):
-        getattr(new, hook_dict).update(getattr(module, hook_dict))
-    return new
+    return adopt_norm_state(new, module)
 
 
 def _replace(module: nn.Module, mapping: dict[type, type]) -> nn.Module:

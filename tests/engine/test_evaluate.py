@@ -120,3 +120,15 @@ def test_sharded_evaluation_equals_single_process(tmp_path):
         assert sharded["num_pixels"] == single["num_pixels"]
         assert sharded["iou"] == pytest.approx(single["iou"], abs=1e-12)
         assert sharded["miou"] == pytest.approx(single["miou"], abs=1e-12)
+
+
+def test_evaluate_skips_the_configured_ignore_label_not_a_fixed_one():
+    """data.ignore_index reaches the confusion matrix (it once defaulted to 255 there)."""
+    dataset = MemoryDataset(2)
+    dataset.masks[dataset.masks == 255] = 3  # class 3 stands in for "unlabeled"
+    loader = build_eval_loader(dataset)
+    common = dict(num_classes=NUM_CLASSES, device="cpu", eval_cfg=EvalConfig(), progress=False)
+    ignoring = evaluate(TinySeg().eval(), loader, data_cfg=DataConfig(mean=MEAN, std=STD, ignore_index=3), **common)
+    counting = evaluate(TinySeg().eval(), loader, data_cfg=DATA, **common)
+    assert ignoring["num_pixels"] == int((dataset.masks != 3).sum())
+    assert counting["num_pixels"] == dataset.masks.numel()

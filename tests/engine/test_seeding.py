@@ -15,7 +15,7 @@ from engine.seeding import SeededDataset, capture_rng_state, restore_rng_state, 
 
 class _RandomDataset(Dataset):
     """Every draw source a data pipeline may use: torch, numpy, python random, an albumentations-like
-    pipeline with its own generator."""
+    pipeline with its own generator, seeded from torch as data.transforms.PairTransform seeds it."""
 
     class _Pipeline:
         def __init__(self):
@@ -31,6 +31,7 @@ class _RandomDataset(Dataset):
         return 10
 
     def __getitem__(self, index):
+        self.transform.set_random_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
         return torch.tensor([index, torch.rand(()).item(), np.random.rand(), random.random(),
                              self.transform.rng.random()], dtype=torch.float64)
 
@@ -46,6 +47,30 @@ def test_seeded_dataset_is_a_function_of_index_and_seed_and_leaves_global_rng_al
     other = dataset[(3, 43)]
     assert torch.equal(first, second)
     assert (first[1:] != other[1:]).all()  # every random source follows the sample seed
+
+
+def test_the_real_augmentation_follows_the_sample_seed():
+    """data.transforms.PairTransform seeds its albumentations pipeline from torch, which SeededDataset seeds:
+    nothing reaches into the dataset to reseed it, so this fails if the transform stops drawing its seed."""
+    from data.transforms import build_train_transform
+    from engine.config import DataConfig
+
+    transform = build_train_transform(DataConfig(crop_size=(24, 24), scale_range=(0.5, 2.0), hflip=True))
+    image = np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    mask = np.random.default_rng(1).integers(0, 5, (40, 40), dtype=np.uint8)
+
+    class Augmented(Dataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, index):
+            return transform(image, mask)
+
+    dataset = SeededDataset(Augmented())
+    first, again = dataset[(0, 7)], dataset[(0, 7)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    others = [dataset[(0, seed)] for seed in range(8, 12)]
+    assert any(not torch.equal(first[0], other[0]) for other in others)
 
 
 def test_seeded_loading_is_independent_of_worker_count():

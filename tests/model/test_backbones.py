@@ -197,3 +197,15 @@ def test_missing_or_corrupt_path_weights(tmp_path):
     corrupt.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="corrupt.pth"):
         build_backbone("resnet18", output_stride=16, norm_layer=nn.BatchNorm2d, pretrained=str(corrupt))
+
+
+def test_unwrap_state_dict_is_the_one_rule_for_wrapped_weight_files():
+    """Backbone weight files and model.init_checkpoint (engine.checkpoint.load_weights_file) unwrap alike."""
+    from model.backbones import unwrap_state_dict
+
+    tensors = {"conv.weight": torch.zeros(1)}
+    assert unwrap_state_dict(tensors) == (tensors, "")
+    assert unwrap_state_dict({"state_dict": tensors, "epoch": 3}) == (tensors, "state_dict")
+    assert unwrap_state_dict({"model": tensors, "format_version": 1}) == (tensors, "model")
+    for bad in ({}, {"model": {}}, {"a": 1}, [torch.zeros(1)], {1: torch.zeros(1)}):
+        assert unwrap_state_dict(bad) == (None, "")

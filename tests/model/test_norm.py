@@ -1,5 +1,6 @@
 """model.norm: the one factory from `model.norm` to normalization layers."""
 import pytest
+import torch
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
@@ -70,3 +71,27 @@ def test_adopt_batch_norms_swaps_every_batch_norm_keeping_settings_tensors_and_a
         torch.testing.assert_close(adopted.eval()(x), expected_eval)
         # frozen statistics in training mode are the eval-mode result; the others train as plain BN did
         torch.testing.assert_close(adopted.train()(x), expected_eval if kind == "frozen_bn" else expected_train)
+
+
+@pytest.mark.parametrize("kind", ["syncbn", "frozen_bn"])
+def test_adopted_norms_keep_tensors_mode_and_hooks(kind):
+    """adopt_batch_norms swaps layers as convert_model does (one swap, model.sync_batchnorm.adopt_norm_state):
+    values, train/eval mode and forward hooks survive, for a frozen layer too."""
+    from model.norm import adopt_batch_norms, norm_layers
+
+    torch.manual_seed(0)
+    old = nn.BatchNorm2d(4)
+    with torch.no_grad():
+        old.weight.uniform_(0.5, 2.0), old.bias.uniform_(-1, 1)
+        old.running_mean.uniform_(-1, 1), old.running_var.uniform_(0.5, 2.0)
+    old.eval()
+    calls = []
+    old.register_forward_hook(lambda module, args, output: calls.append(type(module).__name__))
+    holder = nn.Sequential(old)
+    inputs = torch.randn(2, 4, 3, 3)
+    expected = old(inputs)
+    adopt_batch_norms(holder, norm_layers(kind)[0])
+    new = holder[0]
+    assert type(new) is not nn.BatchNorm2d and not new.training
+    torch.testing.assert_close(new(inputs), expected)
+    assert len(calls) == 2  # the hook came along
