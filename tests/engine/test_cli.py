@@ -1,4 +1,4 @@
-"""engine/cli.py: the one error contract of the command lines (their use of it: tests/test_cli.py and
+"""engine/cli.py: the one error contract of the command lines (their use of it: tests/e2e/test_cli.py and
 each CLI's own tests)."""
 from __future__ import annotations
 

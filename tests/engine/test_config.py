@@ -268,9 +268,18 @@ def test_validate_checks_dataclasses_built_directly():
     validate(Config(data=DataConfig(dataset="folder", num_classes=3)))
 
 
-def test_every_key_is_listed_once():
+def test_all_keys_are_exactly_the_keys_a_config_writes():
+    """all_keys() (unknown-key errors, --print-config) and to_dict (checkpoints, config.yaml) agree: a section
+    missing from SECTIONS, or a field to_dict leaves out, fails here."""
+    def dotted(raw, prefix=""):
+        for name, value in raw.items():
+            if isinstance(value, dict):
+                yield from dotted(value, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}"
+
     keys = all_keys()
-    assert len(keys) == len(set(keys))
+    assert len(keys) == len(set(keys)) and sorted(keys) == sorted(dotted(to_dict(Config())))
     assert "eval.window_size" in keys and "eval.crop_size" not in keys
     fields = {f.name for f in dataclasses.fields(EvalConfig)}
     assert {key.split(".")[1] for key in keys if key.startswith("eval.")} == fields

@@ -109,7 +109,7 @@ def test_torchrun_with_gpus_is_an_error(monkeypatch):
 
 def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
     """WORLD_SIZE>1 goes the DDP way; the process-group call is intercepted (a real 2-process run is in
-    tests/test_train_ddp.py)."""
+    tests/e2e/test_train_ddp.py)."""
     _fake_cuda(monkeypatch, 0)
     calls = []
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Installed as sitecustomize.py in a folder put first on PYTHONPATH: Python imports it at start-up in
 # the process and in every spawned child, before any application code. Every name lookup and every

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = [
     "data.synthetic_image_size=32", "data.crop_size=32", "data.scale_range=0.75,1.25",

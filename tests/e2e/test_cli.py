@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON_CLIS = ["train.py", "eval.py", "scripts/predict.py", "scripts/export.py", "scripts/verify_dataset.py",
                "scripts/prepare_voc.py"]
 MODULES = ["train", "eval", "scripts.predict", "scripts.export", "scripts.verify_dataset", "scripts.prepare_voc"]

@@ -18,7 +18,7 @@ from PIL import Image
 from engine.checkpoint import FORMAT_VERSION, save_checkpoint
 from engine.config import load_config, to_dict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn",
         "data.synthetic_image_size=48", "data.synthetic_val_size=3", "data.num_workers=0"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ITERS = 24
 TINY = [
     "data.synthetic_image_size=32", "data.crop_size=32", "data.scale_range=0.9,1.1", "data.synthetic_train_size=32",

@@ -1,5 +1,5 @@
 """End-to-end training on CPU with tiny synthetic data: artifacts, eval.py agreement, exact resume,
-non-finite losses and command-line errors (signals: tests/test_cluster.py)."""
+non-finite losses and command-line errors (signals: tests/e2e/test_cluster.py)."""
 from __future__ import annotations
 
 import importlib
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = [
     "data.synthetic_image_size=32", "data.crop_size=32", "data.scale_range=0.9,1.1",
@@ -47,61 +47,93 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in read_metrics(run_dir) if r["type"] == "train"}
 
 
-@pytest.mark.slow
-def test_training_writes_checkpoints_events_metrics_and_eval_reproduces_val_miou(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from engine.checkpoint import load_checkpoint
-
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """One 4-iteration run (validation and checkpoints every 2 iterations) that the tests below inspect."""
+    run_dir = tmp_path_factory.mktemp("e2e") / "run"
     run_train("--config", "demo.yaml", f"output_dir={run_dir}", *TINY, "train.iters=4", "train.val_interval=2",
               "train.ckpt_interval=2", "train.num_vis_images=2")
+    return run_dir
+
+
+def _validations(run_dir: Path) -> dict[int, dict]:
+    return {r["iteration"]: r for r in read_metrics(run_dir) if r["type"] == "val"}
+
+
+@pytest.mark.slow
+def test_run_dir_holds_the_checkpoints_config_and_metrics_log(trained_run):
+    from engine.checkpoint import load_checkpoint
+
     for name in ("last.pt", "best.pt", "config.yaml", "metrics.jsonl"):
-        assert (run_dir / name).is_file(), name
-    last = load_checkpoint(run_dir / "last.pt")  # weights_only=True inside
-    best = load_checkpoint(run_dir / "best.pt")
+        assert (trained_run / name).is_file(), name
+    last = load_checkpoint(trained_run / "last.pt")  # weights_only=True inside
+    best = load_checkpoint(trained_run / "best.pt")
     assert last["iteration"] == 4 and best["iteration"] in (2, 4)
     assert not any(key.startswith("module.") for key in last["model"])
     assert last["classes"] == best["classes"] and len(last["classes"]) == 6
 
-    records = read_metrics(run_dir)
-    val = {r["iteration"]: r for r in records if r["type"] == "val"}
-    assert sorted(val) == [2, 4] and sorted(train_losses(run_dir)) == [1, 2, 3, 4]
+
+@pytest.mark.slow
+def test_best_checkpoint_holds_the_best_validation(trained_run):
+    from engine.checkpoint import load_checkpoint
+
+    best = load_checkpoint(trained_run / "best.pt")
+    val = _validations(trained_run)
+    assert sorted(val) == [2, 4]
     assert best["best_miou"] == pytest.approx(max(v["miou"] for v in val.values()))
+    assert best["metrics"]["miou"] == pytest.approx(val[best["iteration"]]["miou"], abs=1e-12)
+    assert "optimizer" not in best and "rng" not in best  # the file to share holds weights, not training state
+
+
+@pytest.mark.slow
+def test_metrics_log_has_every_step_and_the_rate_each_step_used(trained_run):
     from engine.optim import poly_warmup_factor
 
-    for record in (r for r in records if r["type"] == "train"):  # the rate each logged step used
+    records = [r for r in read_metrics(trained_run) if r["type"] == "train"]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    for record in records:
         factor = poly_warmup_factor(record["iteration"] - 1, total_iters=4, power=0.9, warmup_iters=2)
         assert record["lr"]["backbone"] == pytest.approx(1e-3 * factor, rel=1e-9)
         assert record["lr"]["head"] == pytest.approx(1e-3 * factor, rel=1e-9)  # demo: head_lr_mult 1
+    assert all(v["num_images"] == 4 for v in _validations(trained_run).values())
+
+
+@pytest.mark.slow
+def test_tensorboard_events_sit_in_the_run_dir_with_scalars_summary_and_grid(trained_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # the events are in the run dir: `tensorboard --logdir <parent>` names the run after its folder
-    assert list(run_dir.glob("events.out.tfevents.*")) and not (run_dir / "tensorboard").exists()
-    events = EventAccumulator(str(run_dir), size_guidance={"images": 0, "scalars": 0})
+    assert list(trained_run.glob("events.out.tfevents.*")) and not (trained_run / "tensorboard").exists()
+    events = EventAccumulator(str(trained_run), size_guidance={"images": 0, "scalars": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
     for tag in ("train/loss", "train/lr/backbone", "train/lr/head", "train/images_per_s",
                 "train/data_wait_fraction", "train/peak_memory_mb", "val/miou", "val/pixel_acc"):
         assert tag in scalars, (tag, sorted(scalars))
     assert any(tag.startswith("val/iou/") for tag in scalars)
-    assert "val/num_images" not in scalars and all(v["num_images"] == 4 for v in val.values())  # jsonl only
+    assert "val/num_images" not in scalars  # constant over a run: metrics.jsonl only
     assert "val/summary/text_summary" in events.Tags()["tensors"]
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     logged = {e.step: e.value for e in events.Scalars("val/miou")}
-    assert logged[2] == pytest.approx(val[2]["miou"], rel=1e-6)
+    assert logged[2] == pytest.approx(_validations(trained_run)[2]["miou"], rel=1e-6)
     image = events.Images("val/image_truth_prediction")[-1]
     # image | truth | prediction, 2 rows of 32 px panels enlarged 4x, under titles and above a legend
     assert image.width == 3 * 128 + 2 * 2 and image.height > 2 * 128 + 2 + 40
 
+
+@pytest.mark.slow
+def test_eval_cli_on_best_checkpoint_reproduces_the_validation_miou(trained_run, tmp_path):
+    from engine.checkpoint import load_checkpoint
+
     output = tmp_path / "eval.json"
     process = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), "--checkpoint", str(run_dir / "best.pt"), "--device", "cpu",
+        [sys.executable, str(ROOT / "eval.py"), "--checkpoint", str(trained_run / "best.pt"), "--device", "cpu",
          "--no-progress", "--output", str(output)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-3000:]
-    evaluated = json.loads(output.read_text())
-    miou = evaluated["metrics"]["miou"] if "metrics" in evaluated else evaluated["miou"]
-    assert miou == pytest.approx(val[best["iteration"]]["miou"], abs=1e-9)
+    best_iteration = load_checkpoint(trained_run / "best.pt")["iteration"]
+    assert json.loads(output.read_text())["miou"] == pytest.approx(_validations(trained_run)[best_iteration]["miou"],
+                                                                   abs=1e-9)
 
 
 @pytest.mark.slow
