@@ -141,6 +141,18 @@ class MetricsLog:
             with self._naming_events_dir():
                 self.writer.flush()
 
+    @contextlib.contextmanager
+    def flushed_at_exit(self) -> Iterator[None]:
+        """Flush the TensorBoard events when the block ends; after an error, without letting a failed
+        flush (the same full disk, say) replace the error that ended it."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.flush()
+            raise
+        self.flush()
+
     def close(self) -> None:
         """Close the event files. Never raises an OSError: it runs however training ended, also after
         the error that stopped it; a failure to write the last events is a warning."""

@@ -8,7 +8,7 @@ model, optimizer, scheduler, scaler, iteration and every process's RNG state (`s
 """
 from __future__ import annotations
 
-import contextlib
+import logging
 import math
 import sys
 import time
@@ -30,8 +30,6 @@ from engine.samplers import shutdown_workers, train_steps
 from engine.seeding import mix_seed, seed_process
 from engine.signals import StopRequest
 from engine.visualize import prediction_grid
-
-import logging
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +111,7 @@ class Trainer:
         self.model.train()
         throughput, loop_start, periodic_seconds = Throughput(self.iteration), time.perf_counter(), 0.0
         with StopRequest(self.device) as stop, progress_bar(enabled=self.progress, total=stop_at,
-                                                            initial=self.iteration) as bar, self._flushing_log():
+                                                            initial=self.iteration) as bar, self.log.flushed_at_exit():
             while self.iteration < stop_at:
                 wait_start = time.perf_counter()
                 micro_batches = next(self._steps)
@@ -157,18 +155,6 @@ class Trainer:
         validate = (it % train_cfg.val_interval == 0 or at_end) and not stop
         return Due(record=log or checkpoint or validate, log=log, checkpoint=checkpoint, validate=validate,
                    stop=stop)
-
-    @contextlib.contextmanager
-    def _flushing_log(self) -> Iterator[None]:
-        """Flush the TensorBoard events when the loop ends; after an error, without letting a failed
-        flush (the same full disk, say) replace the error that ended it."""
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(OSError):
-                self.log.flush()
-            raise
-        self.log.flush()
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step on train.accumulate (uint8 images, masks) micro-batches (engine.accumulation);
