@@ -103,7 +103,7 @@ class SegmentationLoss(nn.Module):
     def target_weight(self, target: torch.Tensor) -> torch.Tensor:
         """The sum of per-pixel weights of `target` N x H x W (its valid pixels, class-weighted): what
         `head_terms` divides by, known before the forward pass when there is no OHEM."""
-        if self.ohem:  # the config refuses train.ohem with train.accumulate > 1 (engine.config.schema.validate)
+        if self.ohem:  # so the config refuses OHEM with accumulation (engine.config.schema.validate)
             raise RuntimeError("SegmentationLoss.target_weight: with OHEM the weights depend on the logits")
         valid = target != self.ignore_index
         if self.class_weights is None:

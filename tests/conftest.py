@@ -39,15 +39,13 @@ def no_accelerator(monkeypatch):
     monkeypatch.setattr(module, "_get_available_device_type", lambda: None)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs under tmp_path: a filesystem that really fills up (short writes, then ENOSPC from the
-    kernel), unmounted afterwards. Skips where mounting is not allowed (not root, no mount(8))."""
+def _tmpfs(folder, options: str):
+    """Mount a tmpfs with `options` on the new folder `folder`, yield it, unmount it. Skips where mounting
+    is not allowed (not root, no mount(8))."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
-    folder = tmp_path / "disk"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
                              capture_output=True, timeout=30)
     if mounted.returncode != 0:
         pytest.skip(f"could not mount a tmpfs: {mounted.stderr.decode().strip()}")
@@ -55,6 +53,19 @@ def small_disk(tmp_path):
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs under tmp_path: a filesystem that really fills up (short writes, then ENOSPC from the
+    kernel), unmounted afterwards."""
+    yield from _tmpfs(tmp_path / "disk", "size=4m")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only tmpfs under tmp_path (EROFS for everyone, root included, unlike chmod)."""
+    yield from _tmpfs(tmp_path / "ro", "ro,size=1m")
 
 
 def fill_disk(folder):

@@ -197,6 +197,15 @@ def _fake_cityscapes(root: Path, count: int = 2) -> list[str]:
 
 
 @pytest.mark.slow
+def _evaluate_saving_predictions(checkpoint: Path, folder: Path, capsys) -> tuple[dict, Path]:
+    """eval.py --save-predictions on the CPU: (its JSON report, the predictions folder)."""
+    output, predictions = folder / "report.json", folder / "results"
+    assert _load_cli().main(["--checkpoint", str(checkpoint), "--device", "cpu", "--no-progress", "--output",
+                             str(output), "--save-predictions", str(predictions)]) == 0
+    capsys.readouterr()
+    return json.loads(output.read_text()), predictions
+
+
 def test_cityscapes_label_ids_score_the_same_with_the_official_script(tmp_path, capsys):
     """eval.py's mIoU equals cityscapesscripts' on the labelId PNGs that eval.py saved."""
     pytest.importorskip("cityscapesscripts")
@@ -208,12 +217,7 @@ def test_cityscapes_label_ids_score_the_same_with_the_official_script(tmp_path, 
     _make_checkpoint(checkpoint, ["data.dataset=cityscapes", f"data.root={root}", "model.backbone=resnet18",
                                   "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn",
                                   "data.num_workers=0"], seed=1)
-    cli = _load_cli()
-    output, predictions = tmp_path / "cs.json", tmp_path / "results"
-    assert cli.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--no-progress", "--output", str(output),
-                     "--save-predictions", str(predictions)]) == 0
-    capsys.readouterr()
-    record = json.loads(output.read_text())
+    record, predictions = _evaluate_saving_predictions(checkpoint, tmp_path / "cs", capsys)
     args = official.args
     args.predictionPath, args.predictionWalk = str(predictions / "labels"), None
     args.evalInstLevelScore, args.evalPixelAccuracy, args.JSONOutput, args.quiet = False, False, False, True
@@ -238,12 +242,7 @@ def test_ade20k_predictions_are_saved_as_raw_labels_1_to_150_and_score_like_nump
     checkpoint = tmp_path / "ade.pt"
     _make_checkpoint(checkpoint, ["data.dataset=ade20k", f"data.root={root}", "data.val_split=validation",
                                   *TINY[:4], "data.num_workers=0"], seed=2)
-    cli = _load_cli()
-    output, predictions = tmp_path / "ade.json", tmp_path / "results"
-    assert cli.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--no-progress", "--output", str(output),
-                     "--save-predictions", str(predictions)]) == 0
-    capsys.readouterr()
-    record = json.loads(output.read_text())
+    record, predictions = _evaluate_saving_predictions(checkpoint, tmp_path / "ade", capsys)
     confusion = np.zeros((150, 150), dtype=np.int64)
     for stem, raw in raw_masks.items():
         saved = np.asarray(Image.open(predictions / "labels" / f"{stem}.png"))

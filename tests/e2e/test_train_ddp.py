@@ -21,16 +21,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.common import ROOT, TINY_BASE
 
-TINY = [
-    "data.synthetic_image_size=32", "data.crop_size=32", "data.scale_range=0.75,1.25",
-    "data.synthetic_train_size=16", "data.synthetic_val_size=6", "data.num_workers=0",
-    "model.backbone=resnet18", "model.head_channels=16", "model.aspp_rates=1", "model.channels_last=false",
-    "train.batch_size=4", "train.warmup_iters=1", "train.log_interval=1", "train.amp=off", "train.iters=4",
-    "train.optimizer=sgd", "train.lr=0.01", "train.head_lr_mult=10",
-    "train.val_interval=4", "train.ckpt_interval=100", "eval.batch_size=2",
-]
+TINY = [*TINY_BASE, "data.scale_range=0.75,1.25", "data.synthetic_val_size=6", "model.channels_last=false",
+        "train.warmup_iters=1", "train.amp=off", "train.iters=4", "train.optimizer=sgd", "train.lr=0.01",
+        "train.head_lr_mult=10", "train.val_interval=4", "train.ckpt_interval=100", "eval.batch_size=2"]
 
 
 def _env() -> dict[str, str]:
@@ -50,9 +45,9 @@ def _train(tmp_path: Path, name: str, *, processes: int, norm: str, extra: tuple
                  f"model.norm={norm}", *TINY, *extra]
     if processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-                   "--module", "tests.test_train_ddp", *arguments]
+                   "--module", "tests.e2e.test_train_ddp", *arguments]
     else:
-        command = [sys.executable, "-m", "tests.test_train_ddp", *arguments]
+        command = [sys.executable, "-m", "tests.e2e.test_train_ddp", *arguments]
     process = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, process.stderr[-4000:]
     result = json.loads(output.read_text())
@@ -94,7 +89,7 @@ def test_three_processes_share_a_global_batch_of_eight_unevenly_and_match_one_pr
 
 
 def main(argv: list[str]) -> int:
-    """Run as `python -m tests.test_train_ddp [--float64] OUTPUT KEY=VALUE...` from the repository root."""
+    """Run as `python -m tests.e2e.test_train_ddp [--float64] OUTPUT KEY=VALUE...` from the repository root."""
     import logging
 
     import torch

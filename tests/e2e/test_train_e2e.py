@@ -14,14 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.common import ROOT, TINY_BASE
 
-TINY = [
-    "data.synthetic_image_size=32", "data.crop_size=32", "data.scale_range=0.9,1.1",
-    "data.synthetic_train_size=16", "data.synthetic_val_size=4", "data.num_workers=0",
-    "model.backbone=resnet18", "model.head_channels=16", "model.aspp_rates=1", "model.aux_loss=false",
-    "train.batch_size=4", "train.lr=0.001", "train.warmup_iters=2", "train.log_interval=1", "eval.batch_size=4",
-]
+TINY = [*TINY_BASE, "data.scale_range=0.9,1.1", "data.synthetic_val_size=4", "model.aux_loss=false", "train.lr=0.001",
+        "train.warmup_iters=2", "eval.batch_size=4"]
 
 
 def _env() -> dict[str, str]:

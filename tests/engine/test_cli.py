@@ -6,7 +6,6 @@ import errno
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,24 +118,6 @@ def test_writing_says_what_could_not_be_written_where(tmp_path):
     with pytest.raises(ValueError):  # not an OSError: untouched
         with writing("report", target):
             raise ValueError("bad")
-
-
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A read-only tmpfs (EROFS for everyone, root included, unlike chmod); skips where mounting is not
-    allowed."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8)")
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                             capture_output=True, timeout=30)
-    if mounted.returncode != 0:
-        pytest.skip(f"could not mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)
 
 
 def test_a_read_only_folder_names_the_file_and_the_reason(read_only_dir, capsys):

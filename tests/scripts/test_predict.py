@@ -161,7 +161,7 @@ def test_a_warning_for_images_far_larger_than_the_training_crop(checkpoint, tmp_
 def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path, monkeypatch):
     import contextlib
 
-    import engine.devices
+    import engine.inference
 
     path = checkpoint[0]
     payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -175,7 +175,7 @@ def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path,
         used.append(precision)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(engine.devices, "autocast_for", recording)
+    monkeypatch.setattr(engine.inference, "autocast_for", recording)  # predict_batch's autocast
     common = ["--input", str(tmp_path / "z.png"), "--output", str(tmp_path / "o"), "--device", "cpu"]
     assert _load_script().main(["--checkpoint", str(bf16), *common]) == 0
     assert _load_script().main(["--checkpoint", str(bf16), *common, "--amp", "off"]) == 0
