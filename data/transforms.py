@@ -22,7 +22,7 @@ from albumentations.core.transforms_interface import DualTransform
 
 logger = logging.getLogger(__name__)
 
-# The defaults of data.ignore_index, data.mean and data.std (engine/config.py reads them from here).
+# The defaults of data.ignore_index, data.mean and data.std (engine/config/schema.py reads them from here).
 IGNORE_INDEX = 255
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # 0-1 units, RGB
 IMAGENET_STD = (0.229, 0.224, 0.225)

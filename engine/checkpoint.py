@@ -1,7 +1,7 @@
 """Checkpoints: the only place that calls torch.save / torch.load, and loading one into a model on a device.
 
-A checkpoint is a dict of primitives and tensors (DESIGN.md): `format_version`, `model` (unwrapped
-state dict), `config` (engine.config.io.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
+A checkpoint is a dict of primitives and tensors (docs/design.md): `format_version`, `model` (unwrapped
+state dict), `config` (engine.config.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
 `run_id`, and in last.pt also what a resume needs (`optimizer`, `scheduler`, `scaler`, `rng`,
 `overrides`). best.pt is the file people keep and share: `WEIGHTS_KEYS` plus the validation
 `metrics` that made it the best, no optimizer state (a third of last.pt with AdamW, whose two

@@ -7,6 +7,7 @@ SBD (`benchmark_RELEASE/dataset/cls/<id>.mat`, with dataset/{train,val}.txt). Ou
 folder: SegmentationClassAug/<id>.png (grayscale index PNGs, 255 = ignore) and
 ImageSets/Segmentation/train_aug.txt listing (SBD train + SBD val + VOC train) minus VOC val.
 An image with a VOC annotation keeps it (it marks object boundaries 255); the others take SBD's.
+Exit status and error lines: engine/cli.py (2 for a missing folder or file, naming it).
 """
 from __future__ import annotations
 
@@ -116,12 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4,
                         help="processes converting the masks in parallel (default 4; 1 converts in this process)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        ids = prepare(args.voc_root, args.sbd_root, workers=args.workers)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    from engine.cli import TIME_FORMAT, run_command  # exit statuses and error lines: engine/cli.py
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt=TIME_FORMAT)
+    return run_command("prepare_voc.py", lambda: _prepare_and_report(args))
+
+
+def _prepare_and_report(args: argparse.Namespace) -> int:
+    ids = prepare(args.voc_root, args.sbd_root, workers=args.workers)
     note = "" if len(ids) == EXPECTED_TRAIN_AUG else f" (the full SBD + VOC2012 gives {EXPECTED_TRAIN_AUG})"
     logger.info("wrote %d masks to %s and %s%s", len(ids), args.voc_root / "SegmentationClassAug",
                 args.voc_root / "ImageSets" / "Segmentation" / "train_aug.txt", note)

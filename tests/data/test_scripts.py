@@ -1,4 +1,5 @@
 import importlib
+import re
 import json
 from pathlib import Path
 
@@ -60,8 +61,9 @@ def test_prepare_voc_builds_train_aug(tmp_path):
 def test_prepare_voc_errors_name_the_folder(tmp_path, capsys):
     prepare_voc = _load_script("prepare_voc")
     make_voc_tree(tmp_path / "VOC2012")
-    assert prepare_voc.main(["--voc-root", str(tmp_path / "VOC2012"), "--sbd-root", str(tmp_path / "nope")]) == 1
-    assert "nope" in capsys.readouterr().err
+    assert prepare_voc.main(["--voc-root", str(tmp_path / "VOC2012"), "--sbd-root", str(tmp_path / "nope")]) == 2
+    error = capsys.readouterr().err  # one line of engine/cli.py's contract: bad input, exit 2
+    assert re.fullmatch(r"\d\d:\d\d:\d\d prepare_voc\.py: error: .*nope.*\n", error), error
 
 
 def _config(tmp_path, root):

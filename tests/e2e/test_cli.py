@@ -123,7 +123,8 @@ def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, cap
 
 # ------------------------------------------------------------------ the error contract (engine/cli.py)
 CONTRACT_CLIS = {"eval.py": "eval", "scripts/predict.py": "scripts.predict", "scripts/export.py": "scripts.export",
-                 "scripts/verify_dataset.py": "scripts.verify_dataset"}
+                 "scripts/verify_dataset.py": "scripts.verify_dataset", "scripts/prepare_voc.py": "scripts.prepare_voc"}
+WORK_FUNCTION = {"scripts/verify_dataset.py": "verify", "scripts/prepare_voc.py": "prepare"}  # default: run
 ERROR_LINE = re.compile(r"\d\d:\d\d:\d\d (\S+): error: (.*)")
 
 
@@ -140,7 +141,8 @@ def _contract_arguments(module_name: str, tmp_path: Path) -> list[str]:
             "scripts.predict": ["--checkpoint", str(tmp_path / "c.pt"), "--input", str(tmp_path),
                                 "--output", str(tmp_path / "out")],
             "scripts.export": ["--checkpoint", str(tmp_path / "c.pt"), "--format", "onnx"],
-            "scripts.verify_dataset": ["--config", "demo.yaml"]}[module_name]
+            "scripts.verify_dataset": ["--config", "demo.yaml"],
+            "scripts.prepare_voc": ["--voc-root", str(tmp_path), "--sbd-root", str(tmp_path)]}[module_name]
 
 
 @pytest.mark.parametrize("raised,code,message", [
@@ -156,7 +158,7 @@ def test_every_cli_maps_failures_to_the_contract(path, raised, code, message, tm
         raise raised
 
     # the function holding each CLI's work, under the one run_command
-    monkeypatch.setattr(module, "verify" if path.endswith("verify_dataset.py") else "run", body)
+    monkeypatch.setattr(module, WORK_FUNCTION.get(path, "run"), body)
     if path == "eval.py":  # eval.py sets up the launch first
         import engine.distributed
 
