@@ -21,10 +21,12 @@ from engine.checkpoint import init_from_weights
 from engine.config import Config
 from engine.devices import log_precision
 from engine.distributed import DistInfo, compile_for_training, wrap_for_training
+from engine.ema import ModelEMA
 from engine.evaluate import build_eval_loader, check_batching
 from engine.loss import SegmentationLoss, build_loss
+from engine.precise_bn import build_precise_bn_loader
 from engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
-from engine.samplers import ResumableBatchSampler, build_train_loader
+from engine.samplers import ResumableBatchSampler, build_train_loader, split_batch
 from engine.seeding import mix_seed
 from model.builder import build_model
 from model.norm import synchronizes_statistics
@@ -37,7 +39,8 @@ class TrainingParts:
     """The built objects of one training process. `model` is the bare network (checkpoints, validation);
     `train_model` wraps it for gradient synchronization (DDP, DataParallelWithCallback, or the model
     itself); `forward_model` is `train_model`, compiled when train.compile. `precision` is what
-    train.amp runs as on this device (off | fp16 | bf16)."""
+    train.amp runs as on this device (off | fp16 | bf16). `eval_model` is what validation runs: the
+    averaged weights when train.ema_decay > 0, else `model`."""
 
     config: Config
     dist: DistInfo
@@ -55,10 +58,16 @@ class TrainingParts:
     sampler: ResumableBatchSampler
     train_loader: DataLoader
     val_loader: DataLoader
+    ema: ModelEMA | None = None  # train.ema_decay > 0: the averaged weights, for validation and best.pt
+    precise_bn_loader: DataLoader | None = None  # train.precise_bn_batches > 0: engine.precise_bn's batches
 
     @property
     def device(self) -> torch.device:
         return self.dist.device
+
+    @property
+    def eval_model(self) -> nn.Module:
+        return self.ema.module if self.ema is not None else self.model
 
 
 def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = True) -> TrainingParts:
@@ -100,6 +109,11 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
         val_loader=build_eval_loader(val_set, batch_size=config.eval.batch_size,
                                      num_workers=min(data_cfg.num_workers, 2), pin_memory=pin,
                                      rank=dist_info.rank, world_size=dist_info.world_size, seed=train_cfg.seed),
+        ema=ModelEMA(model, train_cfg.ema_decay) if train_cfg.ema_decay > 0 else None,
+        precise_bn_loader=build_precise_bn_loader(  # micro-batches of training's size (what BN sees)
+            train_set, num_batches=train_cfg.precise_bn_batches,
+            batch_size=max(split_batch(train_cfg.batch_size, train_cfg.accumulate)), rank=dist_info.rank,
+            world_size=dist_info.world_size, seed=train_cfg.seed) if train_cfg.precise_bn_batches > 0 else None,
     )
     describe(parts)
     return parts

@@ -258,9 +258,11 @@ class Checkpointer:
     def __init__(self, run_dir: Path, dist_info: DistInfo) -> None:
         self.run_dir, self.dist = Path(run_dir), dist_info
 
-    def save(self, names: Iterable[str], state: Mapping[str, Any], *, best_metrics: Mapping[str, Any] | None) -> None:
+    def save(self, names: Iterable[str], state: Mapping[str, Any], *, best_metrics: Mapping[str, Any] | None,
+             weights: Mapping[str, torch.Tensor] | None = None) -> None:
         """Write run_dir/<name> for each name: last.pt gets `state` (engine.trainer.Trainer.state_dict) plus
-        every process's RNG state; best.pt `weights_payload(state, metrics=best_metrics)`.
+        every process's RNG state; best.pt `weights_payload(state, metrics=best_metrics)` with `weights`
+        (e.g. the averaged ones) as its model when given.
 
         Raises FloatingPointError, before writing, when a tensor of state["model"] is not finite on any
         process: the previous checkpoint stays the last good one.
@@ -279,7 +281,8 @@ class Checkpointer:
         if self.dist.is_main:
             payload = {**state, "rng": {"per_rank": rng_states}}
             for name in names:
-                save_checkpoint(self.run_dir / name, weights_payload(payload, metrics=best_metrics)
+                shared = payload if weights is None else {**payload, "model": weights}
+                save_checkpoint(self.run_dir / name, weights_payload(shared, metrics=best_metrics)
                                 if name == "best.pt" else payload)
             logger.info("saved %s at iteration %d", " and ".join(names), state["iteration"])
         barrier()

@@ -25,6 +25,7 @@ from engine.config import Config, from_dict, save_config, to_dict
 from engine.devices import autocast_for
 from engine.distributed import DistInfo, all_reduce_sum
 from engine.evaluate import evaluate
+from engine.precise_bn import precise_batch_norms
 from engine.reporting import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
 from engine.samplers import shutdown_workers, train_steps
 from engine.seeding import mix_seed, seed_process
@@ -126,6 +127,8 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 periodic_start = time.perf_counter()
+                if due.validate and self.parts.precise_bn_loader is not None:
+                    precise_batch_norms(self.parts)  # before last.pt too: it keeps the statistics validation used
                 if due.checkpoint:
                     with stop.deferring_interrupts():
                         self.save(["last.pt"])
@@ -177,6 +180,8 @@ class Trainer:
         parts.scaler.step(self.optimizer)
         parts.scaler.update()
         parts.scheduler.step()
+        if parts.ema is not None:
+            parts.ema.update(self.model)
         return torch.stack(shares).sum()
 
     def _record_losses(self, result: TrainResult) -> None:
@@ -213,14 +218,15 @@ class Trainer:
                                       eta=throughput.eta_seconds(self.iteration, stop_at)))
 
     def validate(self) -> dict[str, Any]:
-        """evaluate() on the validation shard of this process (the same code path as eval.py), logged."""
-        parts, classes = self.parts, self.parts.classes
-        metrics = evaluate(self.model, parts.val_loader, num_classes=len(classes), device=self.device,
+        """evaluate() on the validation shard of this process (the same code path as eval.py), logged; the
+        averaged weights when train.ema_decay > 0."""
+        parts, classes, model = self.parts, self.parts.classes, self.parts.eval_model
+        metrics = evaluate(model, parts.val_loader, num_classes=len(classes), device=self.device,
                            data_cfg=self.config.data, eval_cfg=self.config.eval, classes=classes, progress=False)
         if self.dist.is_main:
             self.log.validation(metrics, classes=classes, step=self.iteration)
             if self.vis_indices:
-                grid = prediction_grid(self.model, parts.val_set, self.vis_indices, device=self.device,
+                grid = prediction_grid(model, parts.val_set, self.vis_indices, device=self.device,
                                        data_cfg=self.config.data, eval_cfg=self.config.eval)
                 self.log.image("val/image_truth_prediction", grid, step=self.iteration)
             logger.info("iteration %d: val mIoU %.4f, pixel acc %.4f (%d images)", self.iteration,
@@ -237,6 +243,7 @@ class Trainer:
             "epoch": self.iteration // parts.sampler.batches_per_epoch, "best_miou": self.best_miou,
             "optimizer": self.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict(), "run_id": self.run_id, "overrides": self.overrides,
+            **({"ema": parts.ema.state_dict()} if parts.ema is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -252,13 +259,17 @@ class Trainer:
         parts.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             parts.scaler.load_state_dict(state["scaler"])
+        if parts.ema is not None:
+            parts.ema.resume(state.get("ema"), self.model)
         self.iteration, self.best_miou = int(state["iteration"]), float(state["best_miou"])
         self.checkpointer.restore_rng(state["rng"], reseed=mix_seed(self.config.train.seed, "train", self.dist.rank,
                                                                     self.iteration) % 2**63)
 
     def save(self, names: list[str]) -> None:
-        """Write run_dir/<name> for each name (engine.checkpoint.Checkpointer.save; every process calls it)."""
-        self.checkpointer.save(names, self.state_dict(), best_metrics=self.best_metrics)
+        """Write run_dir/<name> for each name (engine.checkpoint.Checkpointer.save; every process calls it).
+        best.pt shares the weights validation used (the averaged ones with train.ema_decay)."""
+        state = self.state_dict()
+        self.checkpointer.save(names, state, best_metrics=self.best_metrics, weights=state.get("ema"))
 
     def close(self) -> None:
         """Stop the data-loading workers and close the TensorBoard writer (call it however training ended)."""

@@ -39,7 +39,7 @@ def _files_matching(pattern: str) -> list[str]:
                             "model/sync_batchnorm/replicate.py"]),
     # normalization of uint8 images (mean / std)
     (r"def normalize_batch\(", ["data/transforms.py"]),
-    (r"normalize_batch\(", ["data/transforms.py", "engine/inference.py", "engine/trainer.py"]),
+    (r"normalize_batch\(", ["data/transforms.py", "engine/inference.py", "engine/precise_bn.py", "engine/trainer.py"]),
     # the training payload is written by Trainer.state_dict only
     (r"\"scheduler\": ", ["engine/trainer.py"]),
 ])

@@ -30,14 +30,15 @@ class Limit:
     ge: float | None = None  # >=
     gt: float | None = None  # >
     le: float | None = None  # <=
+    lt: float | None = None  # <
 
     def violated_by(self, value: float) -> bool:
         return ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
-                or (self.le is not None and value > self.le))
+                or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt))
 
     def describe(self) -> str:
         parts = [f">= {self.ge:g}" if self.ge is not None else "", f"> {self.gt:g}" if self.gt is not None else "",
-                 f"<= {self.le:g}" if self.le is not None else ""]
+                 f"<= {self.le:g}" if self.le is not None else "", f"< {self.lt:g}" if self.lt is not None else ""]
         return " and ".join(part for part in parts if part)
 
 
@@ -135,6 +136,12 @@ class TrainConfig:
     log_interval: int = _limited(20, _POSITIVE)
     num_vis_images: int = _limited(4, _NON_NEGATIVE)  # fixed val images drawn as image | truth | prediction
     seed: int = 0
+    # exponential moving average of the weights, updated every step: w_ema = d * w_ema + (1 - d) * w; 0 = off.
+    # When on, validation and best.pt use the averaged weights.
+    ema_decay: float = _limited(0.0, Limit(ge=0, lt=1))
+    # recompute BatchNorm running statistics as population statistics over this many training
+    # micro-batches before each validation and at the end (PreciseBN); 0 = off
+    precise_bn_batches: int = _limited(0, _NON_NEGATIVE)
 
 
 @dataclass(frozen=True)

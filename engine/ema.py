@@ -1,0 +1,51 @@
+"""An exponential moving average of a model's weights (train.ema_decay), for validation and best.pt.
+
+After every optimizer step each floating-point parameter becomes `decay * average + (1 - decay) * current`;
+buffers (BatchNorm running statistics, counters) are copied, so the averaged model evaluates with the
+statistics of the data the current model saw. Under DDP every process holds the same average without
+any communication: the parameters it averages are the same on every process after the gradient
+all-reduce. The average is a full copy of the model on its device (one model's memory more).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class ModelEMA:
+    """`module`: the averaged copy of `model` (eval mode only; never trained). `decay` in [0, 1)."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"train.ema_decay={decay} must lie in [0, 1)")
+        self.decay = float(decay)
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Move the average toward `model`'s current weights (the same architecture, unwrapped)."""
+        for average, current in zip(self.module.parameters(), model.parameters()):
+            average.lerp_(current.detach().to(average.dtype), 1.0 - self.decay)
+        for average, current in zip(self.module.buffers(), model.buffers()):
+            average.copy_(current)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state, strict=True)
+
+    def resume(self, state: Mapping[str, Any] | None, model: nn.Module) -> None:
+        """Continue from a checkpoint's averaged weights; without them (train.ema_decay turned on for a
+        resumed run) the average starts at `model`'s resumed weights, with a warning."""
+        if state is not None:
+            self.load_state_dict(state)
+            return
+        logger.warning("train.ema_decay is on but the checkpoint has no averaged weights: averaging from here")
+        self.module.load_state_dict(model.state_dict())
