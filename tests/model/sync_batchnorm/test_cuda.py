@@ -90,7 +90,7 @@ def test_data_parallel_under_autocast():
 
 def _thread_replica_step(inputs, upstream, channels, memory_format):
     """Thread replicas of one layer on GPU 0 (the CUDA fused backward), as in tests/.../replicas.py."""
-    from tests.model.sync_batchnorm.replicas import make_replicas, run_replicas
+    from model.sync_batchnorm.unittest import make_replicas, run_replicas
 
     sync = SynchronizedBatchNorm2d(channels).cuda()
     with torch.no_grad():

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.sync_batchnorm import (
+from sync_batchnorm import (
     FutureResult,
     SlavePipe,
     execute_replication_callbacks,
@@ -29,8 +29,8 @@ from model.sync_batchnorm import (
     convert_model,
     revert_model,
 )
-from model.sync_batchnorm.batchnorm_reimpl import BatchNorm2dReimpl
-from tests.model.sync_batchnorm.replicas import make_replicas, run_replicas
+from sync_batchnorm.batchnorm_reimpl import BatchNorm2dReimpl
+from sync_batchnorm.unittest import make_replicas, run_replicas
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -329,7 +329,7 @@ class _RecordsAutocast(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_data_parallel_replica_threads_autocast_with_the_callers_dtype(monkeypatch, no_accelerator, dtype):
     """bf16 under --gpus trained in fp16 (without a GradScaler): the replica threads lost the dtype."""
-    from model.sync_batchnorm import replicate
+    from sync_batchnorm import replicate
 
     monkeypatch.setattr(replicate, "parallel_apply", _torch_style_parallel_apply)
     wrapped = DataParallelWithCallback(_RecordsAutocast(), device_ids=[])
@@ -386,7 +386,7 @@ def _reference_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, c
 @pytest.mark.parametrize("splits", [[3, 5], [1, 2, 3]])
 def test_fused_cuda_backward_wiring_matches_batchnorm_on_the_concatenated_batch(monkeypatch, splits):
     """The CUDA path's one-pass input gradient, run on CPU with a reference of the kernel's formula."""
-    from model.sync_batchnorm import functions
+    from sync_batchnorm import functions
 
     calls = []
 
@@ -479,7 +479,7 @@ def test_timeout_bounds_the_wait_when_a_replica_never_arrives():
     sync = SynchronizedBatchNorm2d(3)
     replicas = make_replicas(sync, 2)
     replicas[0].sync_timeout = 0.5
-    from model.sync_batchnorm import execute_replication_callbacks
+    from sync_batchnorm import execute_replication_callbacks
 
     execute_replication_callbacks(replicas)
     start = time.monotonic()
@@ -666,7 +666,7 @@ def test_no_distributed_means_plain_batch_norm_even_with_group_attribute():
 
 
 def test_synchronizes_tells_whether_replicas_will_reduce_together():
-    from model.sync_batchnorm import execute_replication_callbacks
+    from sync_batchnorm import execute_replication_callbacks
 
     alone = SynchronizedBatchNorm2d(3)
     assert not alone.synchronizes()
