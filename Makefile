@@ -25,11 +25,12 @@ test: $(STAMP) test-sbn
 # installed in .venv-sbn, a venv that sees torch and pytest only (linked from $(VENV) by tests/linked_venv.py
 # in a second, where installing torch again writes 4.5 GB), and its own tests (model/sync_batchnorm/tests,
 # the original package's unchanged tests among them) against the installed package. -P: nothing of the
-# checkout on sys.path. The build leaves build/ and an egg-info in model/sync_batchnorm (git-ignored).
+# checkout on sys.path. setuptools builds in the source folder: its build/ and egg-info are removed after.
 SBN_VENV := .venv-sbn
 test-sbn: $(STAMP)
 	$(PY) -m tests.linked_venv $(SBN_VENV) torch pytest
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(SBN_VENV)/wheel ./model/sync_batchnorm
+	rm -rf model/sync_batchnorm/build model/sync_batchnorm/*.egg-info
 	$(PY) -m pip --python $(SBN_VENV)/bin/python install --quiet --no-index $(SBN_VENV)/wheel/sync_batchnorm-*.whl
 	$(SBN_VENV)/bin/python -P -m pytest -q model/sync_batchnorm/tests
 
