@@ -1,6 +1,6 @@
 """SynchronizedBatchNorm against nn.BatchNorm on the concatenated batch (float64 1e-10, float32 1e-5).
 
-Thread replicas run on CPU through the real replication callbacks (see replicas.py).
+Thread replicas run on CPU through the real replication callbacks (sync_batchnorm.unittest.run_replicas).
 """
 from __future__ import annotations
 
