@@ -122,7 +122,8 @@ def patch_sync_batchnorm() -> Iterator[None]:
     """Within the block, `nn.BatchNorm1d/2d/3d` are the synchronized classes (models built there get them);
     restored on exit, also after an exception. As in the original package."""
     saved = nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d = SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d = (SynchronizedBatchNorm1d, SynchronizedBatchNorm2d,
+                                                      SynchronizedBatchNorm3d)
     try:
         yield
     finally:
