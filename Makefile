@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast venv bench clean
+.PHONY: test test-fast test-sbn venv bench clean
 
 venv: $(STAMP)
 
@@ -16,9 +16,23 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# The whole suite, slow tests included (CI runs exactly this).
-test: $(STAMP)
+# The whole suite, slow tests included (CI runs exactly this): the sync_batchnorm distribution's tests, then
+# the app's.
+test: $(STAMP) test-sbn
 	$(PY) -m pytest -q tests
+
+# The sync_batchnorm distribution (model/sync_batchnorm/pyproject.toml) as its users get it: its wheel,
+# installed in .venv-sbn, a venv that sees torch and pytest only (linked from $(VENV) by tests/linked_venv.py
+# in a second, where installing torch again writes 4.5 GB), and its own tests (model/sync_batchnorm/tests,
+# the original package's unchanged tests among them) against the installed package. -P: nothing of the
+# checkout on sys.path. setuptools builds in the source folder: its build/ and egg-info are removed after.
+SBN_VENV := .venv-sbn
+test-sbn: $(STAMP)
+	$(PY) -m tests.linked_venv $(SBN_VENV) torch pytest
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(SBN_VENV)/wheel ./model/sync_batchnorm
+	rm -rf model/sync_batchnorm/build model/sync_batchnorm/*.egg-info
+	$(PY) -m pip --python $(SBN_VENV)/bin/python install --quiet --no-index $(SBN_VENV)/wheel/sync_batchnorm-*.whl
+	$(SBN_VENV)/bin/python -P -m pytest -q model/sync_batchnorm/tests
 
 # Everything but the tests marked slow.
 test-fast: $(STAMP)
@@ -33,7 +47,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.summary
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(SBN_VENV) .pytest_cache model/sync_batchnorm/build model/sync_batchnorm/*.egg-info
 
 # Train the CPU demo (synthetic shapes, configs/demo.yaml), then evaluate its best checkpoint with eval.py
 # (prints the per-class table). Runs in runs/demo/.

@@ -20,7 +20,7 @@ from engine.accumulation import describe_batches
 from engine.checkpoint import init_from_weights
 from engine.config import Config
 from engine.devices import log_precision
-from engine.distributed import DistInfo, compile_for_training, wrap_for_training
+from engine.distributed import DistInfo, assign_sync_groups, compile_for_training, wrap_for_training
 from engine.ema import ModelEMA
 from engine.evaluate import build_eval_loader, check_batching
 from engine.loss import SegmentationLoss, build_loss
@@ -85,6 +85,7 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
     if config.model.init_checkpoint and init_weights:
         init_from_weights(model, config.model.init_checkpoint, model_cfg=config.model)
     model.to(device)
+    assign_sync_groups(model, dist_info, group_size=config.model.syncbn_group_size, timeout_s=config.dist.timeout_s)
     train_model = wrap_for_training(model, dist_info)
     groups = build_param_groups(model, lr=train_cfg.lr, head_lr_mult=train_cfg.head_lr_mult,
                                 weight_decay=train_cfg.weight_decay)

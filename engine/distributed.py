@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.devices import parse_gpus
-from model.sync_batchnorm import DataParallelWithCallback
+from model.sync_batchnorm import DataParallelWithCallback, synchronized_layers
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +236,26 @@ def wrap_for_training(model: nn.Module, dist_info: DistInfo) -> nn.Module:
     if dist_info.num_replicas > 1:
         return DataParallelWithCallback(model, device_ids=list(dist_info.device_ids))
     return model
+
+
+def assign_sync_groups(model: nn.Module, dist_info: DistInfo, *, group_size: int, timeout_s: float) -> None:
+    """model.syncbn_group_size: the synchronized BatchNorm layers of `model` reduce within groups of
+    `group_size` consecutive ranks (0: over all processes, the layers' default). Every rank must call this
+    (torch.distributed.new_subgroups makes every group on every rank). ValueError naming the key unless
+    `group_size` divides the world size."""
+    if group_size == 0 or group_size == dist_info.world_size:
+        return
+    if dist_info.world_size % group_size:
+        raise ValueError(
+            f"model.syncbn_group_size={group_size} does not divide the world size {dist_info.world_size} "
+            f"({'one process' if dist_info.world_size == 1 else dist_info.launch.launcher + ' processes'}): "
+            "use a divisor of it (e.g. the processes per node), or 0 to synchronize over all processes")
+    group, _ = dist.new_subgroups(group_size=group_size, timeout=datetime.timedelta(seconds=timeout_s))
+    for _, layer in synchronized_layers(model):
+        layer.process_group = group
+    first = dist_info.rank - dist_info.rank % group_size
+    logger.info("synchronized BatchNorm reduces within groups of %d processes (this one: ranks %d-%d)",
+                group_size, first, first + group_size - 1)
 
 
 def no_buffer_sync_option(ddp_class: type) -> dict[str, bool]:

@@ -20,6 +20,7 @@ from model.backbones import build_backbone
 from model.deeplab import DeepLab
 from model.heads import DeepLabV3Head, DeepLabV3PlusHead, FCNHead, aspp_rates_for
 from model.norm import NormLayer, norm_layers
+from model.sync_batchnorm import name_synchronized_layers
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
     model = DeepLab(backbone, classifier, aux_classifier=aux_classifier, channels_last=channels_last)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    # module paths ("backbone.layer1.0.bn1") that a divergence between processes names, the same on every rank
+    name_synchronized_layers(model)
     logger.info(
         "built %s/%s OS%d norm=%s aux=%s: %.2fM parameters",
         arch, model_cfg.backbone, model_cfg.output_stride, model_cfg.norm, bool(model_cfg.aux_loss),

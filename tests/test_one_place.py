@@ -11,10 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "model", "data", "scripts")
 
 
+# the sync_batchnorm distribution's own tests, and the build folder `pip install ./model/sync_batchnorm` leaves
+NOT_SOURCES = (ROOT / "model/sync_batchnorm/tests", ROOT / "model/sync_batchnorm/build")
+
+
 def _sources():
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            yield path.relative_to(ROOT).as_posix(), path.read_text()
+            if not any(path.is_relative_to(skipped) for skipped in NOT_SOURCES):
+                yield path.relative_to(ROOT).as_posix(), path.read_text()
     for name in ("train.py", "eval.py"):
         yield name, (ROOT / name).read_text()
 

@@ -103,6 +103,9 @@ class ModelConfig:
     pretrained_backbone: str = "none"  # none | imagenet | path to a backbone state dict
     init_checkpoint: str = ""  # segmentation checkpoint to fine-tune from (classifier skipped on mismatch)
     norm: Literal["syncbn", "bn", "frozen_bn"] = "syncbn"
+    # under torchrun/srun, synchronized BatchNorm reduces within groups of this many consecutive ranks (e.g.
+    # one node's GPUs); 0 = over all processes. The world size must be a multiple (engine.distributed)
+    syncbn_group_size: int = _limited(0, _NON_NEGATIVE)
     aux_loss: bool = False  # auxiliary FCN head on layer3
     aspp_rates: tuple[int, ...] = _limited((), _POSITIVE)  # () = from output_stride (6/12/18 at 16, 12/24/36 at 8)
     head_channels: int = _limited(256, _POSITIVE)  # ASPP / decoder width

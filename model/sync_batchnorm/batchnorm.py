@@ -2,10 +2,12 @@
 
 In training, a `SynchronizedBatchNorm*d` normalizes with the mean and variance of the whole batch seen
 by all replicas of `DataParallelWithCallback` (threads, any devices, CPU included) and all processes of
-an initialized `torch.distributed` group (NCCL or gloo). With neither, it is plain `F.batch_norm`, bit
-for bit `nn.BatchNorm*d`. In eval mode it uses the running statistics like nn.BatchNorm.
+an initialized `torch.distributed` group (NCCL or gloo; the layer's `process_group`, else the world).
+With neither, it is plain `F.batch_norm`, bit for bit `nn.BatchNorm*d`. In eval mode it uses the running
+statistics like nn.BatchNorm.
 
-The autograd graph of the synchronized path (one graph for every topology) is in functions.py.
+The autograd graph of the synchronized path (one graph for every topology) is in functions.py; the
+labels that name a divergence (the layer's path and call count) are divergence.py's.
 """
 from __future__ import annotations
 
@@ -16,14 +18,37 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import functions
 from .comm import SyncMaster
+from .divergence import check_gathered_labels, layer_key
 from .functions import BackwardHandoff, CombineMeta, CombineStats, LocalStats, Normalize, StatsMessage
 
 __all__ = [
     "SynchronizedBatchNorm1d",
     "SynchronizedBatchNorm2d",
     "SynchronizedBatchNorm3d",
+    "set_sbn_eps_mode",
+    "get_sbn_eps_mode",
 ]
+
+EPS_MODES = ("plus", "clamp")
+# The original package's process-wide switch (its API, hence module state): how eps enters a
+# normalization with batch statistics. "plus" (the default here, and nn.BatchNorm's): 1/sqrt(var + eps);
+# "clamp" (the original's default): 1/sqrt(max(var, eps)). Running statistics (eval) always use "plus".
+_eps_mode = ["plus"]
+
+
+def set_sbn_eps_mode(mode: str) -> None:
+    """'plus' (default: 1/sqrt(var + eps), as nn.BatchNorm) or 'clamp' (1/sqrt(max(var, eps)), the original
+    package's default), for every synchronized layer's training-mode normalization, on any topology."""
+    if mode not in EPS_MODES:
+        raise ValueError(f"set_sbn_eps_mode({mode!r}): the eps mode is one of {', '.join(map(repr, EPS_MODES))}")
+    _eps_mode[0] = mode
+
+
+def get_sbn_eps_mode() -> str:
+    """The eps mode set by set_sbn_eps_mode ('plus' unless changed)."""
+    return _eps_mode[0]
 
 
 class _SynchronizedBatchNorm(_BatchNorm):
@@ -41,20 +66,55 @@ class _SynchronizedBatchNorm(_BatchNorm):
         track_running_stats: bool = True,
         device=None,
         dtype=None,
+        *,
+        process_group=None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        self.process_group = None  # None: the default group when torch.distributed is initialized
+        # torch.distributed group to reduce over; None: the whole world when torch.distributed is initialized
+        self.process_group = process_group
         self._sync_master = SyncMaster(self._data_parallel_master)
         self._is_parallel = False
         self._parallel_id: int | None = None
         self._slave_pipe = None
+        self._exchange_ledger = None
+        self._exchange_calls = 0  # synchronized calls: this round's (thread replicas), else since creation
+        self._pending_label_checks: list = []  # shared with this round's replicas (a shallow copy keeps it)
+        self.sync_names: dict[int, str] = {}  # key -> path of every layer named with this one
+        self.sync_name = None
+
+    @property
+    def sync_name(self) -> str | None:
+        """The layer's module path, which divergence errors name (name_synchronized_layers sets it)."""
+        return self._sync_name
+
+    @sync_name.setter
+    def sync_name(self, name: str | None) -> None:
+        self._sync_name = name
+        label = repr(name) if name is not None else f"an unnamed {type(self).__name__}({self.num_features})"
+        self._sync_label, self._sync_key = label, layer_key(label)
+
+    def _describe_key(self, key: int) -> str:
+        if key == self._sync_key:
+            return self._sync_label
+        name = self.sync_names.get(key)
+        return repr(name) if name is not None else f"a layer this process cannot name (key {key:#x})"
 
     # --- state: runtime rendezvous objects never travel with the module ------------------------
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for name, default in (("process_group", None), ("_exchange_ledger", None), ("_exchange_calls", 0),
+                              ("_pending_label_checks", []), ("sync_names", {})):
+            self.__dict__.setdefault(name, default)  # a layer pickled before these existed
+        if "_sync_name" not in self.__dict__:
+            self.sync_name = None
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_slave_pipe"] = None
         state["_is_parallel"] = False
         state["_parallel_id"] = None
+        state["_exchange_ledger"] = None
+        state["_pending_label_checks"] = []
         return state
 
     @property
@@ -83,6 +143,10 @@ class _SynchronizedBatchNorm(_BatchNorm):
     def __data_parallel_replicate__(self, ctx, copy_id: int) -> None:
         self._is_parallel = True
         self._parallel_id = copy_id
+        self._exchange_ledger = getattr(ctx, "exchange_ledger", None)
+        self._exchange_calls = 0
+        if self.sync_name is None and getattr(ctx, "module_path", None) is not None:
+            self.sync_name = ctx.module_path
         if copy_id == 0:
             ctx.sync_master = self._sync_master
             self._sync_master.start_round()
@@ -138,7 +202,16 @@ class _SynchronizedBatchNorm(_BatchNorm):
 
         if use_batch_stats and self.synchronizes():
             exchange = self._thread_exchange()
+            self._exchange_calls += 1
+            if exchange is not None and self._exchange_ledger is not None:
+                try:
+                    self._exchange_ledger.record(self._parallel_id, self._sync_label, self._exchange_calls)
+                except BaseException as error:
+                    self._abort_round(error)
+                    raise
             return self._forward_synchronized(input, exchange, average_factor, running_mean, running_var)
+        if use_batch_stats and get_sbn_eps_mode() == "clamp":  # F.batch_norm only adds eps
+            return self._forward_synchronized(input, None, average_factor, running_mean, running_var)
         return F.batch_norm(
             input, running_mean, running_var, self.weight, self.bias, use_batch_stats, average_factor, self.eps
         )
@@ -153,6 +226,8 @@ class _SynchronizedBatchNorm(_BatchNorm):
     ) -> torch.Tensor:
         """Normalize with statistics merged through `exchange` (None: this replica alone, plus any
         torch.distributed group). Updates running statistics in place with the global values."""
+        self._check_pending_labels()
+        clamp = get_sbn_eps_mode() == "clamp"
         handoff = BackwardHandoff()
         with torch.autocast(device_type=input.device.type, enabled=False):
             local = LocalStats.apply(input, handoff)
@@ -166,9 +241,9 @@ class _SynchronizedBatchNorm(_BatchNorm):
             handoff.total_count = total_count
             stats = global_stats.detach()
             handoff.mean = stats[0]
-            handoff.invstd = torch.rsqrt(stats[1] + self.eps)
+            handoff.invstd = torch.rsqrt(stats[1].clamp_min(self.eps) if clamp else stats[1] + self.eps)
             handoff.weight = self.weight.detach().to(stats.dtype) if self.weight is not None else torch.ones_like(stats[0])
-            output = Normalize.apply(input, global_stats, self.weight, self.bias, handoff, self.eps)
+            output = Normalize.apply(input, global_stats, self.weight, self.bias, handoff, self.eps, clamp)
         if running_mean is not None and running_var is not None:
             with torch.no_grad():
                 mean, var = global_stats[0].detach(), global_stats[1].detach()
@@ -179,11 +254,13 @@ class _SynchronizedBatchNorm(_BatchNorm):
 
     def _data_parallel_master(self, intermediates: list[tuple[int, StatsMessage]]) -> list[tuple[int, Any]]:
         """Merge every replica's statistics (runs once per step, in the master replica's thread)."""
-        meta = CombineMeta(group=self._distributed_group())
+        meta = CombineMeta(group=self._distributed_group(), label=(self._sync_key, self._exchange_calls))
         counts = tuple(message.count for _, message in intermediates)
         outputs = CombineStats.apply(meta, counts, *(message.stats for _, message in intermediates))
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
+        if meta.gathered_labels is not None:
+            self._check_labels(meta.gathered_labels, meta.group)
         # More than one value here means more than one in total: only a process holding at most one
         # value per channel needs the global count (a host sync, in this rare case only).
         if meta.local_count <= 1 and (meta.group is None or int(round(float(meta.total_count))) <= 1):
@@ -194,6 +271,31 @@ class _SynchronizedBatchNorm(_BatchNorm):
                 + (" and all processes" if meta.group is not None else "")
             )
         return [(copy_id, (stats, meta.total_count)) for (copy_id, _), stats in zip(intermediates, outputs)]
+
+
+    # --- divergence across processes: every process checks every process's label ------------------
+    def _check_labels(self, labels: torch.Tensor, group) -> None:
+        """Raise SyncDivergenceError if the processes of `group` called different layers at this exchange:
+        at once where reading `labels` costs nothing (CPU), else at this layer's next synchronized call,
+        from an asynchronous copy, so that the forward never waits for the device."""
+        if not functions.reads_stall_the_device(labels):
+            check_gathered_labels(labels, lambda: dist.get_process_group_ranks(group), self._describe_key)
+            return
+        host = labels.to("cpu", non_blocking=True, copy=True)
+        event = None
+        if labels.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        if len(self._pending_label_checks) < 8:  # unchecked ones beyond that wait for the earlier ones
+            self._pending_label_checks.append((host, event, group))
+
+    def _check_pending_labels(self) -> None:
+        while self._pending_label_checks:
+            host, event, group = self._pending_label_checks[0]
+            if event is not None and not event.query():
+                return
+            self._pending_label_checks.pop(0)
+            check_gathered_labels(host, lambda: dist.get_process_group_ranks(group), self._describe_key)
 
 
 class SynchronizedBatchNorm1d(_SynchronizedBatchNorm):

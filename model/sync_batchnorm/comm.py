@@ -19,6 +19,8 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
+from .divergence import SyncDivergenceError
+
 __all__ = ["FutureResult", "SlavePipe", "SyncMaster", "SyncAbortedError", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds a replica waits for the others before giving up
@@ -79,6 +81,8 @@ class FutureResult:
 def _aborted(cause: BaseException) -> BaseException:
     if isinstance(cause, SyncAbortedError):
         return cause
+    if isinstance(cause, SyncDivergenceError):  # every replica raises the one message that names the layers
+        return SyncDivergenceError(str(cause))
     error = SyncAbortedError(f"synchronization aborted because a replica failed: {type(cause).__name__}: {cause}")
     error.__cause__ = cause
     return error

@@ -84,10 +84,19 @@ class StatsMessage:
 @dataclass
 class CombineMeta:
     group: Any  # torch.distributed group to merge across, or None
+    # (layer key, call count): two more numbers in the gathered row, so processes that called different
+    # layers at this exchange can tell (divergence.py)
+    label: tuple[int, int] = (0, 0)
     # filled by CombineStats.forward: values per channel over every replica (an int) and, under
     # torch.distributed, over every process (a 0-dim tensor: reading it would stall the device queue)
     total_count: int | torch.Tensor = 0
     local_count: int = 0
+    gathered_labels: torch.Tensor | None = None  # (processes, 2), under torch.distributed
+
+
+def reads_stall_the_device(tensor: torch.Tensor) -> bool:
+    """Whether reading `tensor` on the host waits for a device queue (anything but CPU tensors)."""
+    return tensor.device.type != "cpu"
 
 
 def _merge_local(counts: tuple[int, ...], means: torch.Tensor, m2s: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -176,13 +185,18 @@ class CombineStats(Function):
         total, mean, m2 = _merge_local(counts, stacked[:, 0].double(), stacked[:, 1].double())
         meta.local_count = total
         if meta.group is not None:
-            # the count travels in the gathered row, so no process needs the others' counts on the host
-            row = torch.cat([mean.new_full((1,), float(total)), mean, m2])
+            # the count travels in the gathered row, so no process needs the others' counts on the host;
+            # the label (layer key, call count) ends it (fills on the device, no host-to-device copy)
+            label = mean.new_full((2,), float(meta.label[0]))
+            label[1] = meta.label[1]
+            row = torch.cat([mean.new_full((1,), float(total)), mean, m2, label])
             rows = [torch.empty_like(row) for _ in range(dist.get_world_size(meta.group))]
             dist.all_gather(rows, row, group=meta.group)
             gathered = torch.stack(rows)
             channels = mean.numel()
-            total, mean, m2 = _merge(gathered[:, 0], gathered[:, 1 : 1 + channels], gathered[:, 1 + channels :])
+            meta.gathered_labels = gathered[:, 1 + 2 * channels :]
+            total, mean, m2 = _merge(gathered[:, 0], gathered[:, 1 : 1 + channels],
+                                     gathered[:, 1 + channels : 1 + 2 * channels])
         meta.total_count = total
         result = torch.stack([mean, m2 / total]).to(stacked.dtype)  # (2, C): mean, biased var
         ctx.devices = devices
@@ -202,8 +216,12 @@ class CombineStats(Function):
 
 class Normalize(Function):
     @staticmethod
-    def forward(ctx, input, global_stats, weight, bias, handoff: BackwardHandoff, eps: float):
+    def forward(ctx, input, global_stats, weight, bias, handoff: BackwardHandoff, eps: float, clamp: bool):
         mean, var = global_stats[0], global_stats[1]
+        ctx.variance_passes = None
+        if clamp:  # set_sbn_eps_mode('clamp'): divide by sqrt(max(var, eps)) instead of sqrt(var + eps)
+            ctx.variance_passes = var >= eps  # where the clamp passes the variance's gradient (as torch.clamp)
+            var, eps = var.clamp_min(eps), 0.0
         output = F.batch_norm(input, mean, var, weight, bias, False, 0.0, eps)
         ctx.save_for_backward(input, weight, mean, var)
         ctx.handoff = handoff
@@ -223,9 +241,11 @@ class Normalize(Function):
         grad_stats = None
         if ctx.needs_input_grad[1]:
             ctx.handoff.grad_output = grad_output
-            grad_stats = torch.stack([sum_dy, sum_dy_xhat]).to(mean.dtype)
+            # where a clamped variance is the constant eps, no gradient flows through it
+            through_variance = sum_dy_xhat if ctx.variance_passes is None else sum_dy_xhat * ctx.variance_passes
+            grad_stats = torch.stack([sum_dy, through_variance]).to(mean.dtype)
         grad_weight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[2] else None
         grad_bias = sum_dy.to(ctx.bias_dtype) if ctx.needs_input_grad[3] else None
-        return None, grad_stats, grad_weight, grad_bias, None, None
+        return None, grad_stats, grad_weight, grad_bias, None, None, None
 
 

@@ -6,18 +6,23 @@ same sub-module share one `CallbackContext`, copy 0 first. Replicas may also be 
 (e.g. `copy.deepcopy` on CPU in tests): only the callback protocol matters.
 
 `DataParallelWithCallback` also guards `parallel_apply`: a replica whose forward raises aborts the
-synchronization rounds of every synchronized layer, so the other replicas raise instead of waiting.
+synchronization rounds of every synchronized layer, so the other replicas raise instead of waiting, and a
+replica whose forward ends while the others wait at an exchange it never made raises SyncDivergenceError
+in all of them (divergence.py).
 """
 from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.nn.parallel import DataParallel
 from torch.nn.parallel.parallel_apply import parallel_apply
+
+from .divergence import ExchangeLedger
 
 __all__ = [
     "CallbackContext",
@@ -30,16 +35,27 @@ __all__ = [
 
 
 class CallbackContext:
-    """Shared by the copies of one sub-module during one replication (attributes set freely)."""
+    """Shared by the copies of one sub-module during one replication (attributes set freely).
+
+    Set here: `module_path` (the sub-module's path in the master copy) and `exchange_ledger` (one
+    ExchangeLedger for the whole replication: the order of the synchronized layers' exchanges).
+    """
 
 
-def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
+def execute_replication_callbacks(modules: Sequence[nn.Module]) -> ExchangeLedger:
     """Run `__data_parallel_replicate__(ctx, copy_id)` on each sub-module of each replica.
 
-    `modules[0]` is the master copy. All replicas must have the same module structure.
+    `modules[0]` is the master copy. All replicas must have the same module structure. Returns the round's
+    ExchangeLedger (also kept on the master copy for `DataParallelWithCallback.parallel_apply`).
     """
     master_copy = modules[0]
-    contexts = [CallbackContext() for _ in master_copy.modules()]
+    ledger = ExchangeLedger(_aborter(weakref.ref(master_copy)))
+    contexts = []
+    for path, _ in master_copy.named_modules():
+        context = CallbackContext()
+        context.module_path, context.exchange_ledger = path, ledger
+        contexts.append(context)
+    master_copy._sync_exchange_ledger = ledger
     for copy_id, replica in enumerate(modules):
         sub_modules = list(replica.modules())
         if len(sub_modules) != len(contexts):
@@ -51,6 +67,17 @@ def execute_replication_callbacks(modules: Sequence[nn.Module]) -> None:
             callback = getattr(sub_module, "__data_parallel_replicate__", None)
             if callback is not None:
                 callback(context, copy_id)
+    return ledger
+
+
+def _aborter(master_copy: weakref.ref) -> Any:
+    # a weak reference: replicas hold the ledger, and a cycle through it would keep their (device) tensors
+    # alive until the garbage collector runs
+    def abort(cause: BaseException) -> None:
+        master = master_copy()
+        if master is not None:
+            abort_synchronization(master, cause)
+    return abort
 
 
 def abort_synchronization(master_copy: nn.Module, cause: BaseException) -> None:
@@ -73,21 +100,30 @@ class AbortingReplica:
     `autocast`: the caller's autocast state (`_autocast_state`), re-entered in the replica's thread.
     Autocast is thread-local, and torch's parallel_apply re-enters it in each thread with `enabled=` but
     not the dtype, so bf16 autocast silently became the device's default, fp16, in every replica.
+    `copy_id`: the replica's number; with the round's `ledger`, a forward that ends while other replicas
+    wait at an exchange this one never made raises SyncDivergenceError in all of them.
     """
 
     def __init__(self, replica: nn.Module, master_copy: nn.Module, *,
-                 autocast: tuple[str, bool, torch.dtype, bool] | None = None) -> None:
+                 autocast: tuple[str, bool, torch.dtype, bool] | None = None, copy_id: int = 0,
+                 ledger: ExchangeLedger | None = None) -> None:
         self.replica = replica
         self.master_copy = master_copy
         self.autocast = autocast
+        self.copy_id = copy_id
+        self.ledger = ledger
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             if self.autocast is not None and self.autocast[1]:
                 device_type, _, dtype, cache_enabled = self.autocast
                 with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):
-                    return self.replica(*args, **kwargs)
-            return self.replica(*args, **kwargs)
+                    output = self.replica(*args, **kwargs)
+            else:
+                output = self.replica(*args, **kwargs)
+            if self.ledger is not None:
+                self.ledger.finish(self.copy_id)
+            return output
         except BaseException as error:
             abort_synchronization(self.master_copy, error)
             raise
@@ -100,7 +136,9 @@ def _device_type(module: nn.Module) -> str:
 
 def _guarded_parallel_apply(replicas: Sequence[nn.Module], inputs, kwargs, device_ids) -> list:
     state = _autocast_state(_device_type(replicas[0])) if replicas else None
-    guarded = [AbortingReplica(replica, replicas[0], autocast=state) for replica in replicas]
+    ledger = getattr(replicas[0], "_sync_exchange_ledger", None) if replicas else None
+    guarded = [AbortingReplica(replica, replicas[0], autocast=state, copy_id=copy_id, ledger=ledger)
+               for copy_id, replica in enumerate(replicas)]
     return parallel_apply(guarded, inputs, kwargs, device_ids)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import time
 import warnings
 
 import pytest
@@ -11,7 +12,8 @@ from torch import nn
 
 from engine import distributed
 from engine.devices import inference_device, parse_gpus
-from engine.distributed import DistInfo, setup_distributed, wrap_for_training
+from engine.distributed import DistInfo, Launch, assign_sync_groups, setup_distributed, wrap_for_training
+from model.sync_batchnorm import SynchronizedBatchNorm2d
 
 
 @pytest.fixture(autouse=True)
@@ -215,3 +217,64 @@ def test_ddp_wrapping_uses_no_deprecated_argument_and_bucket_views(tmp_path):
         assert grad is not None and grad.abs().sum() > 0
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# model.syncbn_group_size: synchronized BatchNorm within groups of consecutive ranks.
+# --------------------------------------------------------------------------------------------------
+def _ddp_info(rank: int, world_size: int) -> DistInfo:
+    return DistInfo(rank=rank, world_size=world_size, mode="ddp",
+                    launch=Launch(launcher="torchrun", rank=rank, world_size=world_size))
+
+
+@pytest.mark.parametrize("group_size, world_size", [(3, 4), (2, 1), (8, 4)])
+def test_a_sync_group_size_that_does_not_divide_the_world_is_named(group_size, world_size):
+    with pytest.raises(ValueError, match=rf"model.syncbn_group_size={group_size} does not divide the world size "
+                                         rf"{world_size}"):
+        assign_sync_groups(SynchronizedBatchNorm2d(2), _ddp_info(0, world_size), group_size=group_size, timeout_s=5)
+
+
+@pytest.mark.parametrize("group_size", [0, 4])
+def test_group_size_zero_or_the_world_keeps_the_whole_world(group_size):
+    layer = SynchronizedBatchNorm2d(2)
+    assign_sync_groups(layer, _ddp_info(1, 4), group_size=group_size, timeout_s=5)  # no group made: no collective
+    assert layer.process_group is None
+
+
+def _groups_worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        model = nn.Sequential(nn.Identity(), SynchronizedBatchNorm2d(3).double())
+        assign_sync_groups(model, _ddp_info(rank, 4), group_size=2, timeout_s=60)
+        x = torch.arange(rank * 2 + 2, dtype=torch.float64).view(-1, 1, 1, 1).expand(-1, 3, 2, 2) * (rank + 1)
+        torch.save({"ranks": dist.get_process_group_ranks(model[1].process_group), "x": x, "y": model(x).detach()},
+                   f"{out_dir}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_four_gloo_ranks_in_groups_of_two_reduce_within_their_group(tmp_path):
+    import socket
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.start_processes(_groups_worker, args=(port, str(tmp_path)), nprocs=4, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("4 gloo ranks did not finish within 120 s")
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(4)]
+    assert [r["ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for first in (0, 2):
+        group = results[first:first + 2]
+        expected = nn.BatchNorm2d(3).double()(torch.cat([r["x"] for r in group]))
+        torch.testing.assert_close(torch.cat([r["y"] for r in group]), expected, rtol=1e-10, atol=1e-10)

@@ -8,7 +8,7 @@ from torchvision.models.segmentation import deeplabv3 as tv_deeplabv3
 
 from model.heads import ASPP, ASPPPooling, DeepLabV3Head, aspp_rates_for
 from model.sync_batchnorm import SynchronizedBatchNorm2d
-from tests.model.sync_batchnorm.replicas import run_replicas
+from model.sync_batchnorm.unittest import run_replicas
 
 
 def test_aspp_rates_follow_output_stride_unless_given():

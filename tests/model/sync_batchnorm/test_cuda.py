@@ -89,8 +89,8 @@ def test_data_parallel_under_autocast():
 
 
 def _thread_replica_step(inputs, upstream, channels, memory_format):
-    """Thread replicas of one layer on GPU 0 (the CUDA fused backward), as in tests/.../replicas.py."""
-    from tests.model.sync_batchnorm.replicas import make_replicas, run_replicas
+    """Thread replicas of one layer on GPU 0 (the CUDA fused backward), as model.sync_batchnorm.unittest.run_replicas runs them."""
+    from model.sync_batchnorm.unittest import make_replicas, run_replicas
 
     sync = SynchronizedBatchNorm2d(channels).cuda()
     with torch.no_grad():
@@ -123,3 +123,23 @@ def test_fused_backward_thread_replicas_uneven_equal_batchnorm_on_concatenated_b
     torch.testing.assert_close(torch.cat(outputs).float(), y_ref.detach(), rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(torch.cat([p.grad for p in pieces]).float(), x_ref.grad, rtol=tolerance,
                                atol=tolerance)
+
+
+def test_divergence_labels_on_cuda_are_checked_from_an_asynchronous_copy_at_the_next_call(monkeypatch):
+    """On CUDA the gathered labels are not read at the exchange (that would wait for the device queue): an
+    asynchronous copy is checked at the layer's next synchronized call, which raises naming both layers."""
+    from model.sync_batchnorm import SyncDivergenceError, name_synchronized_layers
+    from model.sync_batchnorm import batchnorm as batchnorm_module
+
+    model = name_synchronized_layers(nn.Sequential(SynchronizedBatchNorm2d(3), SynchronizedBatchNorm2d(3)))
+    monkeypatch.setattr(batchnorm_module.dist, "get_process_group_ranks", lambda group: [0, 1])
+    labels = torch.tensor([[model[0]._sync_key, 1], [model[1]._sync_key, 1]], dtype=torch.float64, device="cuda")
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or [])
+    model[0]._check_labels(labels, group=None)
+    monkeypatch.undo()
+    monkeypatch.setattr(batchnorm_module.dist, "get_process_group_ranks", lambda group: [0, 1])
+    assert reads == [] and len(model[0]._pending_label_checks) == 1
+    torch.cuda.synchronize()
+    with pytest.raises(SyncDivergenceError, match=r"rank 0 called '0' \(call 1\) but rank 1 called '1' \(call 1\)"):
+        model[0]._check_pending_labels()

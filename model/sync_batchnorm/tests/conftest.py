@@ -1,0 +1,29 @@
+"""Fixtures of the package's tests, which run against the installed `sync_batchnorm` (torch and pytest only)."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+import sync_batchnorm
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def no_accelerator(monkeypatch):
+    """nn.DataParallel as built on a machine without GPUs (it keeps the module and no device ids), also on a
+    GPU machine, where `device_ids=[]` would fail with an IndexError."""
+    # the module, not the function torch.nn.parallel.data_parallel that shadows its name
+    module = importlib.import_module("torch.nn.parallel.data_parallel")
+    monkeypatch.setattr(module, "_get_available_device_type", lambda: None)
+
+
+@pytest.fixture
+def eps_mode():
+    """Set the process-wide eps mode for one test: `eps_mode("clamp")`; restored afterwards."""
+    saved = sync_batchnorm.get_sbn_eps_mode()
+    yield sync_batchnorm.set_sbn_eps_mode
+    sync_batchnorm.set_sbn_eps_mode(saved)
