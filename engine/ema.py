@@ -25,7 +25,10 @@ class ModelEMA:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"train.ema_decay={decay} must lie in [0, 1)")
         self.decay = float(decay)
-        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        # process groups (model.syncbn_group_size) are shared, not copied: they cannot be
+        memo = {id(group): group for group in (getattr(module, "process_group", None) for module in model.modules())
+                if group is not None}
+        self.module = copy.deepcopy(model, memo).eval().requires_grad_(False)
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:

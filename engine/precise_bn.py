@@ -103,7 +103,8 @@ def recompute_batch_norm_statistics(model: nn.Module, train_model: nn.Module, lo
 
 def precise_batch_norms(parts: Any) -> None:
     """PreciseBN for the model validation uses (engine.build.TrainingParts.eval_model): through the training
-    wrapper, or, with train.ema_decay, the averaged copy itself (in this process only: not synchronized)."""
+    wrapper, or, with train.ema_decay, the averaged copy itself (its synchronized layers still reduce over
+    torch.distributed processes, but not over --gpus replicas)."""
     wrapper = parts.train_model if parts.ema is None else parts.ema.module
     count = recompute_batch_norm_statistics(parts.eval_model, wrapper, parts.precise_bn_loader,
                                             data_cfg=parts.config.data, precision=parts.precision,

@@ -78,3 +78,16 @@ def test_validation_and_best_checkpoint_use_the_averaged_weights(tmp_path):
     assert moved  # the average differs from the current weights, so the checks below tell them apart
     assert all(torch.equal(best["model"][name], average[name]) for name in average)
     assert all(torch.equal(last["model"][name], current[name]) for name in current)
+
+
+def test_the_average_shares_what_cannot_be_copied():
+    """A process group (model.syncbn_group_size) cannot be deep-copied: the average shares it."""
+    from model.sync_batchnorm import SynchronizedBatchNorm2d
+
+    class Group:  # stands in for a torch.distributed ProcessGroup
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot copy a process group")
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), SynchronizedBatchNorm2d(4))
+    model[1].process_group = Group()
+    assert ModelEMA(model, 0.9).module[1].process_group is model[1].process_group
