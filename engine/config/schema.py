@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from data import FIXED_NUM_CLASSES, IGNORE
+from data.masks import LabelTarget
 from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
 from model.timm_encoder import TIMM_PREFIX
 
@@ -59,6 +61,33 @@ class SquareIfOne:
 PixelSize = Annotated[tuple[int, int], SquareIfOne()]  # (height, width) in pixels
 
 
+@dataclass(frozen=True)
+class ValueToClass:
+    """Marks data.label_map: raw mask value -> class index or "ignore". A mapping in YAML ({255: 1}),
+    `255:1,128:ignore` on the command line; held as ((raw, target), ...) sorted by raw value."""
+
+
+@dataclass(frozen=True)
+class ColourToClass:
+    """Marks data.class_colors: mask colour -> class index or "ignore". A mapping in YAML whose keys are
+    "R,G,B" or "#rrggbb" ({"0,0,0": 0, "#ff0000": 1}), `#000000:0,#ff0000:1` on the command line; held
+    as (((R, G, B), target), ...) sorted by colour."""
+
+
+@dataclass(frozen=True)
+class WeightedTerms:
+    """Marks train.loss: loss name -> weight, in order. A list of one-key mappings in YAML
+    ([ce: 1.0, dice: 1.0]; a mapping or bare names, weight 1, work too), `ce:1,dice:1` on the command
+    line; held as ((name, weight), ...)."""
+
+
+LabelMap = Annotated[tuple[tuple[int, LabelTarget], ...], ValueToClass()]
+ClassColors = Annotated[tuple[tuple[tuple[int, int, int], LabelTarget], ...], ColourToClass()]
+LossTerms = Annotated[tuple[tuple[str, float], ...], WeightedTerms()]
+# train.loss names (engine.loss implements exactly these)
+LOSS_TERMS = ("ce", "dice", "focal", "lovasz")
+
+
 _POSITIVE = Limit(ge=1)
 _NON_NEGATIVE = Limit(ge=0)
 _LABEL = Limit(ge=0, le=255)  # masks are 8-bit PNGs
@@ -83,6 +112,10 @@ class DataConfig:
     num_classes: int = _limited(0, _LABEL)  # folder (required) / synthetic (2..8): class count; 0 = default
     class_names: tuple[str, ...] = ()  # folder: optional names, len == num_classes
     skip_bad_samples: bool = False  # warn and skip unreadable / inconsistent samples instead of raising
+    # mask encodings (README "Your own data"); every file-backed dataset reads its masks through one table
+    label_map: LabelMap = ()  # raw mask value -> class index or ignore, over the dataset's own reading
+    reduce_zero_label: bool = False  # folder: raw 0 is ignored and raw k is class k-1 (ADE-style masks)
+    class_colors: ClassColors = ()  # colour-coded masks: RGB colour -> class index or ignore
     mean: tuple[float, float, float] = IMAGENET_MEAN  # 0-1 units, applied on the device to uint8 images
     std: tuple[float, float, float] = _limited(IMAGENET_STD, Limit(gt=0))
     # synthetic dataset
@@ -255,3 +288,48 @@ def validate(config: Config, *, source: str = "config") -> None:
     if data.class_names and len(data.class_names) != data.num_classes:
         raise ValueError(f"{source}: data.class_names has {len(data.class_names)} names but "
                          f"data.num_classes={data.num_classes}")
+    _check_mask_encodings(data, source)
+
+
+def _colour(rgb: tuple[int, int, int]) -> str:
+    return ",".join(map(str, rgb))
+
+
+def _check_mask_encodings(data: DataConfig, source: str) -> None:
+    if data.dataset == "synthetic":
+        used = [key for key, value in (("data.label_map", data.label_map), ("data.class_colors", data.class_colors),
+                                       ("data.reduce_zero_label", data.reduce_zero_label)) if value]
+        if used:
+            raise ValueError(f"{source}: {used[0]} is set but the synthetic dataset has no mask files to read; use "
+                             "data.dataset=folder (or voc, cityscapes, ade20k)")
+        return
+    if data.reduce_zero_label and data.dataset != "folder":
+        raise ValueError(f"{source}: data.reduce_zero_label is for dataset 'folder' (dataset '{data.dataset}' reads "
+                         "its masks its own way; ade20k already reduces them); use data.label_map to change them")
+    if data.reduce_zero_label and data.num_classes >= data.ignore_index:
+        raise ValueError(f"{source}: data.reduce_zero_label reads raw values 1..{data.num_classes} as classes, which "
+                         f"reaches data.ignore_index={data.ignore_index}; use a smaller data.num_classes or another "
+                         "data.ignore_index")
+    if data.class_colors and (data.label_map or data.reduce_zero_label):
+        other = "data.label_map" if data.label_map else "data.reduce_zero_label"
+        raise ValueError(f"{source}: data.class_colors and {other} are both set: colour-coded masks get their classes "
+                         f"from data.class_colors alone; remove {other}")
+    num_classes = FIXED_NUM_CLASSES.get(data.dataset, data.num_classes)
+    expected = f"a class index 0..{num_classes - 1} (dataset '{data.dataset}' has {num_classes} classes) or {IGNORE}"
+    raws = [raw for raw, _ in data.label_map]
+    for raw, target in data.label_map:
+        if not 0 <= raw <= 255:
+            raise ValueError(f"{source}: data.label_map has the raw value {raw}; masks are 8-bit, values 0..255")
+        if raws.count(raw) > 1:
+            raise ValueError(f"{source}: data.label_map lists the raw value {raw} twice")
+        if target != IGNORE and not 0 <= target < num_classes:
+            raise ValueError(f"{source}: data.label_map maps {raw} to {target}; expected {expected}")
+    colours = [rgb for rgb, _ in data.class_colors]
+    for rgb, target in data.class_colors:
+        if len(rgb) != 3 or not all(0 <= part <= 255 for part in rgb):
+            raise ValueError(f"{source}: data.class_colors has the colour {_colour(rgb)}; expected R,G,B, each 0..255")
+        if colours.count(rgb) > 1:
+            raise ValueError(f"{source}: data.class_colors lists the colour {_colour(rgb)} twice")
+        if target != IGNORE and not 0 <= target < num_classes:
+            raise ValueError(f"{source}: data.class_colors maps {_colour(rgb)} to {target}; expected {expected}")
+
