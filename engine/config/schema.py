@@ -159,7 +159,10 @@ class TrainConfig:
     amp: Precision = "auto"
     compile: bool = False  # torch.compile the model for training (one process per device; see README)
     aux_weight: float = _limited(0.4, _NON_NEGATIVE)
-    class_weights: tuple[float, ...] = _limited((), _NON_NEGATIVE)  # () = unweighted cross-entropy
+    # weighted sum of LOSS_TERMS, each normalized over the global batch (engine/loss.py), on every head
+    loss: LossTerms = (("ce", 1.0),)
+    focal_gamma: float = _limited(2.0, _NON_NEGATIVE)  # focal: (1 - p)^gamma down-weights easy pixels
+    class_weights: tuple[float, ...] = _limited((), _NON_NEGATIVE)  # () = unweighted; weigh ce and focal
     ohem: bool = False
     ohem_thresh: float = _limited(0.7, Limit(gt=0, le=1))
     ohem_min_kept: int = _limited(100000, _NON_NEGATIVE)
@@ -289,6 +292,7 @@ def validate(config: Config, *, source: str = "config") -> None:
         raise ValueError(f"{source}: data.class_names has {len(data.class_names)} names but "
                          f"data.num_classes={data.num_classes}")
     _check_mask_encodings(data, source)
+    _check_loss(train, source)
 
 
 def _colour(rgb: tuple[int, int, int]) -> str:
@@ -333,3 +337,23 @@ def _check_mask_encodings(data: DataConfig, source: str) -> None:
         if target != IGNORE and not 0 <= target < num_classes:
             raise ValueError(f"{source}: data.class_colors maps {_colour(rgb)} to {target}; expected {expected}")
 
+
+def _check_loss(train: TrainConfig, source: str) -> None:
+    names = [name for name, _ in train.loss]
+    if not names:
+        raise ValueError(f"{source}: train.loss is empty; give at least one of {', '.join(LOSS_TERMS)} "
+                         "(e.g. train.loss=ce:1)")
+    for name, weight in train.loss:
+        if name not in LOSS_TERMS:
+            raise ValueError(f"{source}: train.loss names '{name}', which is not one of {', '.join(LOSS_TERMS)}")
+        if names.count(name) > 1:
+            raise ValueError(f"{source}: train.loss lists '{name}' twice; give each loss once, with its weight")
+        if not weight > 0:
+            raise ValueError(f"{source}: train.loss gives '{name}' the weight {weight:g}; expected a weight > 0 "
+                             "(leave out a loss to turn it off)")
+    if train.ohem and "ce" not in names:
+        raise ValueError(f"{source}: train.ohem selects the hard pixels of the ce loss, but train.loss "
+                         f"({','.join(names)}) has no ce; add ce or set train.ohem=false")
+    if train.class_weights and not {"ce", "focal"} & set(names):
+        raise ValueError(f"{source}: train.class_weights weigh the ce and focal losses, but train.loss "
+                         f"({','.join(names)}) has neither; add one or leave train.class_weights empty")

@@ -317,10 +317,22 @@ def test_class_colors_read_rgb_triples_and_hex_and_write_hex(tmp_path):
     assert to_dict(from_line)["data"]["class_colors"] == {"#000000": 0, "#800040": 2, "#ffffff": "ignore"}
 
 
+@pytest.mark.parametrize("yaml_value,override", [
+    ([{"ce": 1.0}, {"dice": 0.5}], "train.loss=ce:1,dice:0.5"),
+    ({"ce": 1, "dice": 0.5}, "train.loss=[ce: 1, dice: 0.5]"),
+])
+def test_loss_reads_weighted_names_in_order(tmp_path, yaml_value, override):
+    from_file = load_config(write(tmp_path / "c.yaml", {"train": {"loss": yaml_value}}))
+    assert from_file.train.loss == load_config(None, [override]).train.loss == (("ce", 1.0), ("dice", 0.5))
+    assert load_config(None, ["train.loss=lovasz,ce"]).train.loss == (("lovasz", 1.0), ("ce", 1.0))
+    assert Config().train.loss == (("ce", 1.0),)
+
+
 def test_mapping_keys_round_trip_through_dicts_yaml_and_checkpoint_configs(tmp_path):
-    config = load_config("demo.yaml", [*FOLDER, "data.label_map=255:1,7:ignore"])
+    config = load_config("demo.yaml", [*FOLDER, "data.label_map=255:1,7:ignore", "train.loss=ce:1,lovasz:0.5"])
     plain = to_dict(config)
-    assert plain["data"]["label_map"] == {7: "ignore", 255: 1}
+    assert plain["data"]["label_map"] == {7: "ignore", 255: 1} and plain["train"]["loss"] == [{"ce": 1.0},
+                                                                                                {"lovasz": 0.5}]
     assert from_dict(plain) == config
     save_config(config, tmp_path / "saved.yaml")
     assert load_config(str(tmp_path / "saved.yaml")) == config
@@ -345,6 +357,15 @@ def test_mapping_keys_round_trip_through_dicts_yaml_and_checkpoint_configs(tmp_p
     (["data.class_colors=#ff0000:1", "data.label_map=255:1"], "data.class_colors and data.label_map are both set"),
     (["data.class_colors=#ff0000:1", "data.reduce_zero_label=true"], "data.class_colors and data.reduce_zero_label"),
     (["data.num_classes=255", "data.reduce_zero_label=true"], "reaches data.ignore_index=255"),
+    (["train.loss="], "train.loss is empty"),
+    (["train.loss=ce:x"], "'train.loss' expects loss name -> weight"),
+    (["train.loss=ce,bce"], "train.loss names 'bce', which is not one of ce, dice, focal, lovasz"),
+    (["train.loss=ce,ce:2"], "train.loss lists 'ce' twice"),
+    (["train.loss=ce:0"], "train.loss gives 'ce' the weight 0; expected a weight > 0"),
+    (["train.loss=dice", "train.ohem=true"], "train.ohem selects the hard pixels of the ce loss, but train.loss "
+                                             "(dice) has no ce"),
+    (["train.loss=dice,lovasz", "train.class_weights=1,2,1,1"], "train.class_weights weigh the ce and focal losses"),
+    (["train.focal_gamma=-1"], "train.focal_gamma=-1.0: must be >= 0"),
 ])
 def test_mapping_keys_errors_name_the_key_the_value_and_what_is_expected(overrides, message):
     with pytest.raises(ValueError) as error:
