@@ -42,7 +42,8 @@ def _present_class_counts(safe_target: torch.Tensor, valid: torch.Tensor, num_cl
     return sums.scatter_add_(1, safe_target.flatten(1), (values * valid).flatten(1))
 
 
-def dice_terms(logits: torch.Tensor, safe_target: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dice_terms(logits: torch.Tensor, safe_target: torch.Tensor,
+               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft Dice per image: for each class c present in the image's valid labels,
     1 - 2 * sum(p_c * y_c) / (sum(p_c) + sum(y_c)) over its valid pixels, averaged over those classes
     (Milletari et al. 2016 without the square; SMP's DiceLoss on one image with classes = the present
@@ -72,7 +73,8 @@ def lovasz_gradient(foreground_sorted: torch.Tensor) -> torch.Tensor:
     return jaccard
 
 
-def lovasz_terms(logits: torch.Tensor, safe_target: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lovasz_terms(logits: torch.Tensor, safe_target: torch.Tensor,
+                 valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lovasz-Softmax (Berman et al. 2018) per image, over the classes present in its valid labels
     (`classes='present', per_image=True`). Returns (sum over images, number of images with a valid pixel)."""
     probabilities = logits.softmax(dim=1)
