@@ -125,6 +125,7 @@ class MaskDecoder:
                  class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = ()) -> None:
         self.num_classes, self.ignore_index, self.raw_ignore = num_classes, ignore_index, raw_ignore
         self.label_map = tuple((int(raw), target) for raw, target in label_map)
+        self.reduce_zero_label = reduce_zero_label
         self.has_raw_table = raw_table is not None
         self.colour_coded = bool(class_colors)
         if raw_table is None:
@@ -234,8 +235,8 @@ def inspect_masks(paths: Sequence[str | os.PathLike], decoder: MaskDecoder, *, d
         except BadSampleError as error:
             report.bad.append(str(error))
             report.bad_paths.append(os.fspath(path))
-    if decoder.colour_coded or decoder.has_raw_table:
-        return report
+    if decoder.colour_coded or decoder.has_raw_table or decoder.label_map or decoder.reduce_zero_label:
+        return report  # values read through a table: no guess at what a raw value means
     present = np.flatnonzero(counts)
     suggestion = suggested_label_map(present, num_classes=decoder.num_classes, raw_ignore=decoder.raw_ignore)
     if suggestion and report.bad:
@@ -245,8 +246,7 @@ def inspect_masks(paths: Sequence[str | os.PathLike], decoder: MaskDecoder, *, d
             f"({len(report.bad)} bad, first '{report.bad_paths[0]}'), which skip classes (data.num_classes="
             f"{decoder.num_classes}): grey-level-coded? map them with data.label_map: {suggestion} in the config "
             f"(command line: data.label_map={report.fix})")
-    elif (decoder.num_classes == 2 and set(present.tolist()) == {0, decoder.raw_ignore}
-          and decoder.raw_ignore not in dict(decoder.label_map)):
+    elif decoder.num_classes == 2 and set(present.tolist()) == {0, decoder.raw_ignore}:
         report.fix = label_map_override({decoder.raw_ignore: 1})
         report.warnings.append(
             f"{description}: the {len(paths)} masks checked hold only the values 0 and {decoder.raw_ignore}, and with "

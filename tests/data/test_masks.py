@@ -177,9 +177,15 @@ def test_grey_level_masks_fail_at_start_with_the_label_map_that_reads_them(tmp_p
         "with data.label_map: {85: 1, 170: 2, 255: 3} in the config (command line: data.label_map=85:1,170:2,255:3)")
     fixed = _dataset(tmp_path, "data.label_map=85:1,170:2,255:3")
     assert check_masks_at_start(fixed).bad == [] and fixed[0][1][0, ::4].tolist() == [0, 1, 2, 3]
+    # with a label map of their own the values are the user's: no guess (255 is class 1 here, not 3)
+    grey[0, 0] = 7
+    _folder(tmp_path, {"g1": grey})
+    with pytest.raises(BadSampleError) as error:
+        check_masks_at_start(_dataset(tmp_path, "data.num_classes=2", "data.label_map=255:1"))
+    assert "values [7, 85, 170]" in str(error.value) and "grey-level-coded?" not in str(error.value)
     # one mask read alone says what the values look like and how to map them
-    with pytest.raises(BadSampleError, match=r"values \[85, 170\] outside \[0, 3\] .* map each value to its class "
-                                             r"with data.label_map"):
+    with pytest.raises(BadSampleError, match=r"values \[7, 85, 170\] outside \[0, 3\] .* map each value to its "
+                                             r"class with data.label_map"):
         _dataset(tmp_path)[0]
 
 
