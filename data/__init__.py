@@ -18,40 +18,51 @@ from typing import Any, Callable  # noqa: E402
 
 from torch.utils.data import Dataset  # noqa: E402
 
-from data.ade20k import ADE20KSegmentation  # noqa: E402
-from data.base import IGNORE_COLOR, BadSampleError, SegmentationDataset, bit_palette, palette_image, palette_table
-from data.cityscapes import CityscapesSegmentation
-from data.folder import FolderSegmentation
-from data.synthetic import DEFAULT_NUM_CLASSES, SyntheticShapes
-from data.transforms import PairTransform, build_eval_transform, build_train_transform, normalize_batch
-from data.voc import VOCSegmentation
+from data.ade20k import ADE20K_CLASSES, ADE20KSegmentation  # noqa: E402
+from data.base import (IGNORE_COLOR, BadSampleError, SegmentationDataset, bit_palette, check_masks_at_start,  # noqa: E402
+                       palette_image, palette_table)
+from data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation  # noqa: E402
+from data.folder import FolderSegmentation  # noqa: E402
+from data.masks import IGNORE  # noqa: E402
+from data.synthetic import DEFAULT_NUM_CLASSES, SyntheticShapes  # noqa: E402
+from data.transforms import PairTransform, build_eval_transform, build_train_transform, normalize_batch  # noqa: E402
+from data.voc import VOC_CLASSES, VOCSegmentation  # noqa: E402
 
 __all__ = [
-    "ADE20KSegmentation", "IGNORE_COLOR", "BadSampleError", "CityscapesSegmentation", "FolderSegmentation",
-    "SegmentationDataset", "SyntheticShapes", "VOCSegmentation", "bit_palette", "build_dataset", "normalize_batch",
-    "palette_image", "palette_table",
+    "ADE20KSegmentation", "FIXED_NUM_CLASSES", "IGNORE", "IGNORE_COLOR", "BadSampleError", "CityscapesSegmentation",
+    "FolderSegmentation", "SegmentationDataset", "SyntheticShapes", "VOCSegmentation", "bit_palette", "build_dataset",
+    "check_masks_at_start", "normalize_batch", "palette_image", "palette_table",
 ]
+
+# the class count of each dataset whose class list comes with it (engine.config checks label maps against it)
+FIXED_NUM_CLASSES = {"voc": len(VOC_CLASSES), "cityscapes": len(CITYSCAPES_CLASSES), "ade20k": len(ADE20K_CLASSES)}
+
+
+def _mask_encoding(data_cfg: Any) -> dict[str, Any]:
+    """data.label_map and data.class_colors, as every file-backed dataset takes them."""
+    return {"label_map": data_cfg.label_map, "class_colors": data_cfg.class_colors}
 
 
 def _voc(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
     return VOCSegmentation(data_cfg.root, split, ignore_index=data_cfg.ignore_index, transform=transform,
-                           skip_bad_samples=data_cfg.skip_bad_samples)
+                           skip_bad_samples=data_cfg.skip_bad_samples, **_mask_encoding(data_cfg))
 
 
 def _cityscapes(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
     return CityscapesSegmentation(data_cfg.root, split, ignore_index=data_cfg.ignore_index, transform=transform,
-                                  skip_bad_samples=data_cfg.skip_bad_samples)
+                                  skip_bad_samples=data_cfg.skip_bad_samples, **_mask_encoding(data_cfg))
 
 
 def _ade20k(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
     return ADE20KSegmentation(data_cfg.root, split, ignore_index=data_cfg.ignore_index, transform=transform,
-                              skip_bad_samples=data_cfg.skip_bad_samples)
+                              skip_bad_samples=data_cfg.skip_bad_samples, **_mask_encoding(data_cfg))
 
 
 def _folder(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
     return FolderSegmentation(data_cfg.root, split, num_classes=data_cfg.num_classes,
                               class_names=tuple(data_cfg.class_names), ignore_index=data_cfg.ignore_index,
-                              transform=transform, skip_bad_samples=data_cfg.skip_bad_samples)
+                              transform=transform, skip_bad_samples=data_cfg.skip_bad_samples,
+                              reduce_zero_label=data_cfg.reduce_zero_label, **_mask_encoding(data_cfg))
 
 
 def _synthetic(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:

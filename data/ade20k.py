@@ -15,10 +15,11 @@ each entry of the benchmark's objectInfo150 list, colors its palette (color150),
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
-from data.base import SegmentationDataset, Transform
+from data.base import LabelTarget, SegmentationDataset, Transform
 from data.transforms import IGNORE_INDEX
 
 # (class name, color) for classes 0..149, i.e. raw annotation values 1..150
@@ -115,6 +116,8 @@ class ADE20KSegmentation(SegmentationDataset):
         ignore_index: int = IGNORE_INDEX,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
+        label_map: Sequence[tuple[int, LabelTarget]] = (),
+        class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = (),
     ) -> None:
         self.root = resolve_ade20k_root(root)
         self.split = SPLIT_FOLDERS.get(split, split)
@@ -132,8 +135,10 @@ class ADE20KSegmentation(SegmentationDataset):
             ignore_index=ignore_index,
             transform=transform,
             skip_bad_samples=skip_bad_samples,
-            label_map=RAW_TO_CLASS,
-            label_map_ignore=TABLE_IGNORE,
+            label_map=label_map,
+            class_colors=class_colors,
+            raw_table=RAW_TO_CLASS,
+            raw_table_ignore=TABLE_IGNORE,
             num_raw_labels=NUM_RAW_LABELS,
             description=f"ADE20K {self.split} ({self.root})",
         )

@@ -1,8 +1,9 @@
 """File-backed segmentation datasets: decoding, validation, bad-sample policy, palettes.
 
-A sample on disk is an RGB image (any format cv2 reads) and a single-channel index PNG of the same
-size (palette PNGs are read as indices, never as colors). Each dataset subclass only lists its
-(image, mask) pairs and its class names; this module does the rest.
+A sample on disk is an RGB image (any format cv2 reads) and a mask of the same size: a single-channel
+index PNG (palette PNGs are read as indices, never as colors) or, with data.class_colors, a colour-coded
+one (data.masks reads both through one table). Each dataset subclass only lists its (image, mask) pairs
+and its class names; this module does the rest.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from data.masks import BadSampleError, LabelTarget, MaskDecoder, MaskSampleReport, inspect_masks, read_index_mask
 from data.transforms import IGNORE_INDEX, to_tensors
 
 logger = logging.getLogger(__name__)
@@ -24,10 +26,6 @@ logger = logging.getLogger(__name__)
 Transform = Callable[[np.ndarray, np.ndarray], tuple[torch.Tensor, torch.Tensor]]
 
 _IMAGE_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # masks ignore EXIF too
-
-
-class BadSampleError(ValueError):
-    """An image/mask pair that cannot be used; the message names the file and the problem."""
 
 
 def bit_palette(num_colors: int) -> np.ndarray:
@@ -95,39 +93,18 @@ def read_image(path: str | os.PathLike, *, exif_orientation: bool = False) -> np
     return image
 
 
-def read_index_mask(path: str | os.PathLike) -> np.ndarray:
-    """HxW uint8 class indices from a single-channel PNG (palette 'P' or grayscale 'L'/'I;16')."""
-    try:
-        with Image.open(path) as image:
-            mode = image.mode
-            if mode not in ("P", "L", "I", "I;16"):
-                raise BadSampleError(
-                    f"mask '{path}' is a {mode} image; expected a single-channel index PNG "
-                    "(palette or grayscale, pixel value = class index, 255 = ignore)"
-                )
-            mask = np.asarray(image)
-    except BadSampleError:
-        raise
-    except (OSError, SyntaxError, ValueError) as error:
-        raise BadSampleError(f"cannot read mask '{path}': {error}") from None
-    if mask.dtype != np.uint8:
-        if mask.size and (mask.min() < 0 or mask.max() > 255):
-            raise BadSampleError(
-                f"mask '{path}' has values in [{mask.min()}, {mask.max()}]; expected class indices or 255"
-            )
-        mask = mask.astype(np.uint8)
-    return mask
-
-
 class SegmentationDataset(Dataset):
     """(image, mask) file pairs -> (uint8 tensor 3xHxW, int64 tensor HxW with `ignore_index` = ignore).
 
-    Raw mask values map to class indices through one 256-entry lookup: without `label_map` the raw
-    values 0..num_classes-1 are the classes; with it (e.g. Cityscapes labelIds -> trainIds) raw values
-    below `num_raw_labels` map through the table, whose `label_map_ignore` entries mean "ignored". The
-    raw value `raw_ignore` (default: `ignore_index`, the value the files use for unlabeled pixels)
-    maps to `ignore_index`. Any other raw value makes a sample bad. A bad sample raises BadSampleError
-    naming the file, or with `skip_bad_samples` logs a warning and yields the next good sample instead
+    Masks become labels through one data.masks.MaskDecoder: without `raw_table` the raw values
+    0..num_classes-1 are the classes; with it (e.g. Cityscapes labelIds -> trainIds) raw values below
+    `num_raw_labels` map through the table, whose `raw_table_ignore` entries mean "ignored". The raw
+    value `raw_ignore` (default: `ignore_index`, the value the files use for unlabeled pixels) maps to
+    `ignore_index`. The user's `label_map` entries (data.label_map: raw value -> class or "ignore")
+    override all of that for the values they list; `reduce_zero_label` (data.reduce_zero_label) reads
+    raw 0 as ignored and k as class k-1; `class_colors` (data.class_colors) reads colour-coded masks.
+    Any other raw value or colour makes a sample bad. A bad sample raises BadSampleError naming the
+    file, or with `skip_bad_samples` logs a warning and yields the next good sample instead
     (`num_skipped` counts them in this process).
     """
 
@@ -141,9 +118,12 @@ class SegmentationDataset(Dataset):
         raw_ignore: int | None = None,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
-        label_map: np.ndarray | None = None,
-        label_map_ignore: int | None = None,
+        raw_table: np.ndarray | None = None,
+        raw_table_ignore: int | None = None,
         num_raw_labels: int | None = None,
+        label_map: Sequence[tuple[int, LabelTarget]] = (),
+        reduce_zero_label: bool = False,
+        class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = (),
         description: str = "dataset",
     ) -> None:
         self.classes = tuple(classes)
@@ -157,29 +137,11 @@ class SegmentationDataset(Dataset):
         self.skip_bad_samples = skip_bad_samples
         self.description = description
         self.num_skipped = 0
-        self._lookup, self._invalid_lut, self._num_valid_raw = self._lookup_tables(label_map, label_map_ignore,
-                                                                                   num_raw_labels)
+        self.masks = MaskDecoder(num_classes=len(self.classes), ignore_index=self.ignore_index,
+                                 raw_ignore=self.raw_ignore, raw_table=raw_table, raw_table_ignore=raw_table_ignore,
+                                 num_raw_labels=num_raw_labels, label_map=label_map,
+                                 reduce_zero_label=reduce_zero_label, class_colors=class_colors)
         self.samples = self._existing(list(samples))
-
-    def _lookup_tables(self, label_map: np.ndarray | None, label_map_ignore: int | None,
-                       num_raw_labels: int | None) -> tuple[np.ndarray | None, np.ndarray, int]:
-        """(raw -> label table or None for the identity, raw -> 1 if invalid, number of valid raw labels)."""
-        if label_map is None:
-            num_valid = len(self.classes)
-            lookup = np.arange(256, dtype=np.uint8)
-        else:
-            if num_raw_labels is None:
-                raise ValueError("num_raw_labels is required with a label_map")
-            num_valid = num_raw_labels
-            lookup = np.asarray(label_map, dtype=np.uint8).reshape(256).copy()
-            if label_map_ignore is not None:
-                lookup[lookup == label_map_ignore] = self.ignore_index
-        lookup[self.raw_ignore] = self.ignore_index
-        invalid = np.ones(256, dtype=np.uint8)
-        invalid[:num_valid] = 0
-        invalid[self.raw_ignore] = 0
-        identity = np.array_equal(lookup, np.arange(256, dtype=np.uint8))
-        return (None if identity else lookup), invalid, num_valid
 
     def _existing(self, samples: list[tuple[Path, Path]]) -> list[tuple[Path, Path]]:
         kept = []
@@ -226,21 +188,19 @@ class SegmentationDataset(Dataset):
         """Decoded, validated and label-mapped (image HxWx3 uint8 RGB, mask HxW uint8); raises BadSampleError."""
         image_path, mask_path = self.samples[index]
         image = read_image(image_path)
-        mask = read_index_mask(mask_path)
-        if image.shape[:2] != mask.shape:
+        raw = self.masks.read_raw(mask_path)
+        if image.shape[:2] != raw.shape:
             raise BadSampleError(
                 f"image '{image_path}' is {image.shape[1]}x{image.shape[0]} but mask '{mask_path}' is "
-                f"{mask.shape[1]}x{mask.shape[0]} (width x height); they must match"
+                f"{raw.shape[1]}x{raw.shape[0]} (width x height); they must match"
             )
-        if mask.size and cv2.LUT(mask, self._invalid_lut).max():
-            bad = np.unique(mask[self._invalid_lut[mask].astype(bool)])
-            raise BadSampleError(
-                f"mask '{mask_path}' has values {bad[:10].tolist()} outside [0, {self._num_valid_raw - 1}] "
-                f"and != {self.raw_ignore} (the ignore label, data.ignore_index)"
-            )
-        if self._lookup is not None:
-            mask = cv2.LUT(mask, self._lookup)
-        return image, mask
+        return image, self.masks.to_labels(raw, mask_path)
+
+    def inspect_masks(self, limit: int) -> MaskSampleReport:
+        """data.masks.inspect_masks on `limit` masks spread evenly over the split (all when limit <= 0)."""
+        count = len(self) if limit <= 0 else min(limit, len(self))
+        indices = np.unique(np.linspace(0, len(self) - 1, count).round().astype(int)) if count else []
+        return inspect_masks([self.samples[i][1] for i in indices], self.masks, description=self.description)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not -len(self) <= index < len(self):
@@ -261,3 +221,27 @@ class SegmentationDataset(Dataset):
                 return to_tensors(image, mask)
             return self.transform(image, mask)
         raise BadSampleError(f"{self.description}: every one of the {len(self)} samples is bad")
+
+
+START_CHECK_MASKS = 32  # masks per split that the start of training decodes: a second or so, even for Cityscapes
+
+
+def check_masks_at_start(dataset: Dataset, *, limit: int = START_CHECK_MASKS) -> MaskSampleReport | None:
+    """Decode `limit` masks of a file-backed dataset (SegmentationDataset.inspect_masks) before training, so
+    a bad mask or an encoding that would train wrong is found now, in the validation split too, not at
+    the first step or the first validation. Logs the warnings (binary 0/255 masks whose foreground is
+    the ignore label, ...); bad masks raise BadSampleError naming the file and, where it can tell, the
+    data.label_map that reads them, unless the dataset skips bad samples (then a warning)."""
+    if not isinstance(dataset, SegmentationDataset):
+        return None  # generated data: no files
+    report = dataset.inspect_masks(limit)
+    if report.bad:
+        problem = report.warnings[0] if report.fix else (
+            f"{report.bad[0]} ({len(report.bad)} of {report.num_checked} masks checked at start-up are bad)")
+        if not dataset.skip_bad_samples:
+            raise BadSampleError(problem)
+        logger.warning("%s; data.skip_bad_samples=true skips such samples", problem)
+        return report
+    for warning in report.warnings:
+        logger.warning("%s", warning)
+    return report

@@ -10,10 +10,11 @@ that package in tests/data/test_cityscapes.py).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
-from data.base import SegmentationDataset, Transform
+from data.base import LabelTarget, SegmentationDataset, Transform
 from data.transforms import IGNORE_INDEX
 
 TABLE_IGNORE = 255  # the official tables' trainId for labels left out of training and evaluation
@@ -98,6 +99,8 @@ class CityscapesSegmentation(SegmentationDataset):
         ignore_index: int = IGNORE_INDEX,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
+        label_map: Sequence[tuple[int, LabelTarget]] = (),
+        class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = (),
     ) -> None:
         if not str(root):
             raise FileNotFoundError(f"data.root is empty for dataset 'cityscapes'; {LAYOUT}")
@@ -123,8 +126,10 @@ class CityscapesSegmentation(SegmentationDataset):
             raw_ignore=255,  # not a labelId; treated as unlabeled
             transform=transform,
             skip_bad_samples=skip_bad_samples,
-            label_map=LABELID_TO_TRAINID,
-            label_map_ignore=TABLE_IGNORE,
+            label_map=label_map,
+            class_colors=class_colors,
+            raw_table=LABELID_TO_TRAINID,
+            raw_table_ignore=TABLE_IGNORE,
             num_raw_labels=NUM_LABEL_IDS,
             description=f"Cityscapes {split} ({self.root})",
         )

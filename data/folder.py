@@ -3,7 +3,9 @@
 Layout under `root`:
     images/<name>.{jpg,jpeg,png,bmp,tif,tiff,webp}
     masks/<name>.png                    single-channel index PNGs (palette or grayscale); the value
-                                        data.ignore_index (default 255) marks unlabeled pixels
+                                        data.ignore_index (default 255) marks unlabeled pixels; other
+                                        values through data.label_map / data.reduce_zero_label, colour
+                                        masks through data.class_colors (data.masks)
     <split>.txt                         optional: one image stem per line
 Split resolution: `root/<split>.txt` if it exists, else subfolders `images/<split>/` + `masks/<split>/`,
 else split "all" takes every image in images/.
@@ -13,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from data.base import SegmentationDataset, Transform, bit_palette
+from data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
 from data.transforms import IGNORE_INDEX
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -41,6 +43,9 @@ class FolderSegmentation(SegmentationDataset):
         ignore_index: int = IGNORE_INDEX,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
+        label_map: Sequence[tuple[int, LabelTarget]] = (),
+        reduce_zero_label: bool = False,
+        class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = (),
     ) -> None:
         if not str(root):
             raise FileNotFoundError(f"data.root is empty for dataset 'folder'; {LAYOUT}")
@@ -79,5 +84,8 @@ class FolderSegmentation(SegmentationDataset):
             ignore_index=ignore_index,
             transform=transform,
             skip_bad_samples=skip_bad_samples,
+            label_map=label_map,
+            reduce_zero_label=reduce_zero_label,
+            class_colors=class_colors,
             description=f"folder {split} ({self.root})",
         )

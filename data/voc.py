@@ -10,8 +10,9 @@ Layout under `root` (a `VOC2012` folder; a `VOCdevkit` folder holding one works 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
-from data.base import SegmentationDataset, Transform, bit_palette
+from data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
 from data.transforms import IGNORE_INDEX
 
 VOC_CLASSES = (
@@ -65,6 +66,8 @@ class VOCSegmentation(SegmentationDataset):
         ignore_index: int = IGNORE_INDEX,
         transform: Transform | None = None,
         skip_bad_samples: bool = False,
+        label_map: Sequence[tuple[int, LabelTarget]] = (),
+        class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = (),
     ) -> None:
         self.root = resolve_voc_root(root)
         list_file = self.root / "ImageSets" / "Segmentation" / f"{split}.txt"
@@ -85,5 +88,7 @@ class VOCSegmentation(SegmentationDataset):
             raw_ignore=VOC_VOID,
             transform=transform,
             skip_bad_samples=skip_bad_samples,
+            label_map=label_map,
+            class_colors=class_colors,
             description=f"VOC {split} ({list_file})",
         )

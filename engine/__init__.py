@@ -13,7 +13,8 @@
     signals.py       stop requests agreed by all ranks
     samplers.py      resumable training batches and the training loader
     seeding.py       per-sample seeds, worker init, every RNG's state
-    loss.py          SegmentationLoss;  accumulation.py  micro-batches of one step;  optim.py  groups, optimizer, LR
+    loss.py          SegmentationLoss (loss_terms.py: focal, Dice, Lovasz);  accumulation.py  micro-batches of one
+                     step;  optim.py  groups, optimizer, LR
     reporting.py     metrics.jsonl, TensorBoard, progress lines;  visualize.py  grids, legends, overlays
     export_formats.py  ONNX / TorchScript / torch.export / safetensors files, checked against PyTorch
     atomic.py        atomic file writes;  cli.py  the error contract (exit statuses, error lines) of every command

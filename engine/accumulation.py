@@ -5,9 +5,9 @@ train.batch_size stays the global batch of one optimizer step; engine.samplers c
 as without accumulation, and the LR schedule, checkpoints and resume all count optimizer steps.
 What makes the accumulated gradient the global batch's gradient:
 
-- the loss of every micro-batch is divided by the weight (valid pixels, class-weighted) of the
-  whole step over every process (`step_normalizer`: one all-reduce per step), so the micro-batch
-  losses add up to the global batch's loss;
+- the loss of every micro-batch is divided by the weight (valid pixels, class-weighted; for Dice and
+  Lovasz the images with a valid pixel) of the whole step over every process (`step_normalizer`: one
+  all-reduce per step), so the micro-batch losses add up to the global batch's loss;
 - under DDP the gradient all-reduce runs once per step, in the backward of the last micro-batch
   (`gradient_sync`: DDP's `no_sync` for the others), and sums what every micro-batch accumulated.
 
@@ -37,13 +37,14 @@ def gradient_sync(model: nn.Module, *, last: bool) -> ContextManager:
 
 
 def step_normalizer(criterion: SegmentationLoss, masks: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The all-reduced target weight of all micro-batches of a step (`masks`, this process's), for
-    SegmentationLoss(step_weight=...); None for a single micro-batch, whose loss normalizes itself."""
+    """The all-reduced target weights (one per normalizer of the loss: valid pixel weight, images) of all
+    micro-batches of a step (`masks`, this process's), for SegmentationLoss(step_weight=...); None for a
+    single micro-batch, whose loss normalizes itself."""
     if len(masks) == 1:
         return None
-    total = torch.stack([criterion.target_weight(mask) for mask in masks]).sum().reshape(1)
+    total = torch.stack([criterion.target_weight(mask) for mask in masks]).sum(dim=0)
     all_reduce_sum(total)
-    return total[0]
+    return total
 
 
 def describe_batches(global_batch: int, *, accumulate: int, num_replicas: int, batch_norm: str) -> str:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from data import build_dataset
+from data import build_dataset, check_masks_at_start
 from engine.accumulation import describe_batches
 from engine.checkpoint import init_from_weights
 from engine.config import Config
@@ -79,6 +79,8 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
     torch.manual_seed(mix_seed(train_cfg.seed, "init") % 2**63)
     train_set = build_dataset(data_cfg, data_cfg.train_split, train=True)
     val_set = build_dataset(data_cfg, data_cfg.val_split, train=False)
+    for dataset in {data_cfg.train_split: train_set, data_cfg.val_split: val_set}.values():
+        check_masks_at_start(dataset)  # a bounded sample of masks: a bad encoding fails now, not mid-run
     check_batching(val_set, config.eval.batch_size, key="eval.batch_size")  # fail now, not at validation
     classes = tuple(train_set.classes)
     model = build_model(config.model, len(classes))  # channels_last is build_model's

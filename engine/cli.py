@@ -16,7 +16,9 @@ Exit statuses:
 
 Every failure is ONE line on stderr, `HH:MM:SS <prog>: error: <message>` (`HH:MM:SS <prog>: interrupted`),
 stamped like the logging lines (logging.basicConfig(datefmt=TIME_FORMAT)), so a log shows how long after
-the last progress line the fault came. Anything else (a RuntimeError, a bug) keeps its traceback.
+the last progress line the fault came. Anything else (a RuntimeError, a bug) keeps its traceback. An
+error raised in a DataLoader worker (a bad sample with data.num_workers > 0) reaches the main process as
+the same type with the worker's traceback in its message; the line is the original message alone.
 
 This module imports the standard library only: the CLIs import it before torch, so that --help and
 argument errors stay instant.
@@ -24,6 +26,7 @@ argument errors stay instant.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -87,10 +90,29 @@ def describe_os_error(error: OSError, *, mentioned: str = "") -> str:
     return reason + (": " + " -> ".join(f"'{name}'" for name in names) if names else "")
 
 
+# torch.utils.data's ExceptionWrapper.reraise: "Caught <type> in DataLoader worker process <n>.\nOriginal
+# Traceback (most recent call last):\n ... <module>.<type>: <the original message>"
+_WORKER_ERROR = re.compile(r"Caught (\w+) in DataLoader worker process \d+\.\nOriginal Traceback")
+
+
+def unwrap_worker_message(message: str) -> str:
+    """The original message of an error re-raised from a DataLoader worker (the last line of the worker's
+    traceback that starts with its type, and anything after it); `message` itself otherwise."""
+    match = _WORKER_ERROR.match(message)
+    if match is None:
+        return message
+    lines = message.rstrip("\n").split("\n")
+    for index in range(len(lines) - 1, 0, -1):
+        head, separator, rest = lines[index].partition(": ")
+        if separator and (head == match.group(1) or head.endswith("." + match.group(1))):
+            return "\n".join([rest, *lines[index + 1:]])
+    return message
+
+
 def describe_error(error: BaseException) -> str:
     """The message of an error line: describe_os_error for an OSError (without str()'s "[Errno N]"),
-    else str(error)."""
-    return describe_os_error(error) if isinstance(error, OSError) else str(error)
+    else str(error); an error from a DataLoader worker gives its original message."""
+    return unwrap_worker_message(describe_os_error(error) if isinstance(error, OSError) else str(error))
 
 
 @contextmanager

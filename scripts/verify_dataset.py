@@ -1,5 +1,8 @@
 """Check a dataset before training: sample counts, readable files, matching sizes, label ranges, and
-per-class pixel frequencies (with median-frequency class weights usable as train.class_weights).
+per-class pixel frequencies (with median-frequency class weights usable as train.class_weights). Like
+the start of training, it also looks at a sample of masks for encodings that train wrong (binary 0/255
+masks whose foreground is the ignore label, grey-level-coded classes) and prints the config that reads
+them (WARNING lines).
 
     python scripts/verify_dataset.py --config voc.yaml data.root=/data/VOCdevkit/VOC2012
     python scripts/verify_dataset.py --config cityscapes.yaml --splits val --workers 8 --output stats.json
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 def verify(args: argparse.Namespace) -> int:
     """Check the splits `args` name and print the report; returns 0, or 1 when some sample is bad.
     FileNotFoundError / ValueError when the config or a dataset cannot be opened."""
-    from data import build_dataset
+    from data import SegmentationDataset, build_dataset
+    from data.base import START_CHECK_MASKS
     from engine.atomic import write_atomically
     from engine.cli import writing
     from engine.config import load_config
@@ -138,6 +142,10 @@ def verify(args: argparse.Namespace) -> int:
               f"ignore ({dataset.ignore_index}) pixels {stats['ignore_pixels']}")
         for message in stats["bad"]:
             print(f"  BAD: {message}")
+        if isinstance(dataset, SegmentationDataset):  # the start of training's look at the masks
+            stats["warnings"] = dataset.inspect_masks(START_CHECK_MASKS).warnings
+            for message in stats["warnings"]:
+                print(f"  WARNING: {message}")
         print(f"  {'id':>3} {'class':<22} {'pixels':>14} {'frequency':>10} {'weight':>8}")
         for index, name in enumerate(stats["classes"]):
             print(f"  {index:>3} {name:<22} {stats['class_pixels'][index]:>14} "

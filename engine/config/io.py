@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 
+from engine.config.mappings import MAPPING_PARSERS, MAPPING_TYPE_NAMES, marker, plain
 from engine.config.schema import CONFIG_DIR, SECTIONS, Config, SquareIfOne, all_keys, field_types, validate
 from engine.atomic import write_atomically
 
@@ -33,6 +34,8 @@ def _unknown_key_error(key: str, source: str) -> ValueError:
 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
+    if type(marker(annotation)) in MAPPING_TYPE_NAMES:
+        return MAPPING_TYPE_NAMES[type(marker(annotation))]
     if origin is Annotated and _is_square_size(annotation):
         return "H,W (two integers, or one for a square)"
     if origin is tuple:
@@ -52,6 +55,11 @@ def _convert(value: Any, annotation: Any, key: str, source: str) -> Any:
     """Convert a YAML or command-line value to the field's declared type (choices are validate()'s)."""
     origin = typing.get_origin(annotation)
     fail = ValueError(f"{source}: config key '{key}' expects {_type_name(annotation)}, got {value!r}")
+    if type(marker(annotation)) in MAPPING_PARSERS:
+        try:
+            return MAPPING_PARSERS[type(marker(annotation))](value)
+        except (TypeError, ValueError):
+            raise fail from None
     if origin is Annotated:
         base = typing.get_args(annotation)[0]
         if _is_square_size(annotation):  # one value: a square (every config and checkpoint before H,W)
@@ -234,16 +242,14 @@ def load_config(name_or_path: str | Path | None = None, overrides: list[str] | t
 
 def to_dict(config: Config) -> dict[str, Any]:
     """Plain nested dict of primitives (tuples become lists), safe for YAML, JSON and checkpoints."""
-    def plain(value: Any) -> Any:
-        return [plain(v) for v in value] if isinstance(value, tuple) else value
-
     out: dict[str, Any] = {}
     for item in dataclasses.fields(config):
         value = getattr(config, item.name)
         if dataclasses.is_dataclass(value):
-            out[item.name] = {g.name: plain(getattr(value, g.name)) for g in dataclasses.fields(value)}
+            types = field_types(type(value))
+            out[item.name] = {g.name: plain(getattr(value, g.name), types[g.name]) for g in dataclasses.fields(value)}
         else:
-            out[item.name] = plain(value)
+            out[item.name] = plain(value, None)
     return out
 
 

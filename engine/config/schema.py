@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from data import FIXED_NUM_CLASSES, IGNORE
+from data.masks import LabelTarget
 from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
 from model.timm_encoder import TIMM_PREFIX
 
@@ -60,6 +62,33 @@ class SquareIfOne:
 PixelSize = Annotated[tuple[int, int], SquareIfOne()]  # (height, width) in pixels
 
 
+@dataclass(frozen=True)
+class ValueToClass:
+    """Marks data.label_map: raw mask value -> class index or "ignore". A mapping in YAML ({255: 1}),
+    `255:1,128:ignore` on the command line; held as ((raw, target), ...) sorted by raw value."""
+
+
+@dataclass(frozen=True)
+class ColourToClass:
+    """Marks data.class_colors: mask colour -> class index or "ignore". A mapping in YAML whose keys are
+    "R,G,B" or "#rrggbb" ({"0,0,0": 0, "#ff0000": 1}), `#000000:0,#ff0000:1` on the command line; held
+    as (((R, G, B), target), ...) sorted by colour."""
+
+
+@dataclass(frozen=True)
+class WeightedTerms:
+    """Marks train.loss: loss name -> weight, in order. A list of one-key mappings in YAML
+    ([ce: 1.0, dice: 1.0]; a mapping or bare names, weight 1, work too), `ce:1,dice:1` on the command
+    line; held as ((name, weight), ...)."""
+
+
+LabelMap = Annotated[tuple[tuple[int, LabelTarget], ...], ValueToClass()]
+ClassColors = Annotated[tuple[tuple[tuple[int, int, int], LabelTarget], ...], ColourToClass()]
+LossTerms = Annotated[tuple[tuple[str, float], ...], WeightedTerms()]
+# train.loss names (engine.loss implements exactly these)
+LOSS_TERMS = ("ce", "dice", "focal", "lovasz")
+
+
 _POSITIVE = Limit(ge=1)
 _NON_NEGATIVE = Limit(ge=0)
 _LABEL = Limit(ge=0, le=255)  # masks are 8-bit PNGs
@@ -84,6 +113,10 @@ class DataConfig:
     num_classes: int = _limited(0, _LABEL)  # folder (required) / synthetic (2..8): class count; 0 = default
     class_names: tuple[str, ...] = ()  # folder: optional names, len == num_classes
     skip_bad_samples: bool = False  # warn and skip unreadable / inconsistent samples instead of raising
+    # mask encodings (README "Your own data"); every file-backed dataset reads its masks through one table
+    label_map: LabelMap = ()  # raw mask value -> class index or ignore, over the dataset's own reading
+    reduce_zero_label: bool = False  # folder: raw 0 is ignored and raw k is class k-1 (ADE-style masks)
+    class_colors: ClassColors = ()  # colour-coded masks: RGB colour -> class index or ignore
     mean: tuple[float, float, float] = IMAGENET_MEAN  # 0-1 units, applied on the device to uint8 images
     std: tuple[float, float, float] = _limited(IMAGENET_STD, Limit(gt=0))
     # synthetic dataset
@@ -130,7 +163,10 @@ class TrainConfig:
     amp: Precision = "auto"
     compile: bool = False  # torch.compile the model for training (one process per device; see README)
     aux_weight: float = _limited(0.4, _NON_NEGATIVE)
-    class_weights: tuple[float, ...] = _limited((), _NON_NEGATIVE)  # () = unweighted cross-entropy
+    # weighted sum of LOSS_TERMS, each normalized over the global batch (engine/loss.py), on every head
+    loss: LossTerms = (("ce", 1.0),)
+    focal_gamma: float = _limited(2.0, _NON_NEGATIVE)  # focal: (1 - p)^gamma down-weights easy pixels
+    class_weights: tuple[float, ...] = _limited((), _NON_NEGATIVE)  # () = unweighted; weigh ce and focal
     ohem: bool = False
     ohem_thresh: float = _limited(0.7, Limit(gt=0, le=1))
     ohem_min_kept: int = _limited(100000, _NON_NEGATIVE)
@@ -265,3 +301,69 @@ def validate(config: Config, *, source: str = "config") -> None:
     if data.class_names and len(data.class_names) != data.num_classes:
         raise ValueError(f"{source}: data.class_names has {len(data.class_names)} names but "
                          f"data.num_classes={data.num_classes}")
+    _check_mask_encodings(data, source)
+    _check_loss(train, source)
+
+
+def _colour(rgb: tuple[int, int, int]) -> str:
+    return ",".join(map(str, rgb))
+
+
+def _check_mask_encodings(data: DataConfig, source: str) -> None:
+    if data.dataset == "synthetic":
+        used = [key for key, value in (("data.label_map", data.label_map), ("data.class_colors", data.class_colors),
+                                       ("data.reduce_zero_label", data.reduce_zero_label)) if value]
+        if used:
+            raise ValueError(f"{source}: {used[0]} is set but the synthetic dataset has no mask files to read; use "
+                             "data.dataset=folder (or voc, cityscapes, ade20k)")
+        return
+    if data.reduce_zero_label and data.dataset != "folder":
+        raise ValueError(f"{source}: data.reduce_zero_label is for dataset 'folder' (dataset '{data.dataset}' reads "
+                         "its masks its own way; ade20k already reduces them); use data.label_map to change them")
+    if data.reduce_zero_label and data.num_classes >= data.ignore_index:
+        raise ValueError(f"{source}: data.reduce_zero_label reads raw values 1..{data.num_classes} as classes, which "
+                         f"reaches data.ignore_index={data.ignore_index}; use a smaller data.num_classes or another "
+                         "data.ignore_index")
+    if data.class_colors and (data.label_map or data.reduce_zero_label):
+        other = "data.label_map" if data.label_map else "data.reduce_zero_label"
+        raise ValueError(f"{source}: data.class_colors and {other} are both set: colour-coded masks get their classes "
+                         f"from data.class_colors alone; remove {other}")
+    num_classes = FIXED_NUM_CLASSES.get(data.dataset, data.num_classes)
+    expected = f"a class index 0..{num_classes - 1} (dataset '{data.dataset}' has {num_classes} classes) or {IGNORE}"
+    raws = [raw for raw, _ in data.label_map]
+    for raw, target in data.label_map:
+        if not 0 <= raw <= 255:
+            raise ValueError(f"{source}: data.label_map has the raw value {raw}; masks are 8-bit, values 0..255")
+        if raws.count(raw) > 1:
+            raise ValueError(f"{source}: data.label_map lists the raw value {raw} twice")
+        if target != IGNORE and not 0 <= target < num_classes:
+            raise ValueError(f"{source}: data.label_map maps {raw} to {target}; expected {expected}")
+    colours = [rgb for rgb, _ in data.class_colors]
+    for rgb, target in data.class_colors:
+        if len(rgb) != 3 or not all(0 <= part <= 255 for part in rgb):
+            raise ValueError(f"{source}: data.class_colors has the colour {_colour(rgb)}; expected R,G,B, each 0..255")
+        if colours.count(rgb) > 1:
+            raise ValueError(f"{source}: data.class_colors lists the colour {_colour(rgb)} twice")
+        if target != IGNORE and not 0 <= target < num_classes:
+            raise ValueError(f"{source}: data.class_colors maps {_colour(rgb)} to {target}; expected {expected}")
+
+
+def _check_loss(train: TrainConfig, source: str) -> None:
+    names = [name for name, _ in train.loss]
+    if not names:
+        raise ValueError(f"{source}: train.loss is empty; give at least one of {', '.join(LOSS_TERMS)} "
+                         "(e.g. train.loss=ce:1)")
+    for name, weight in train.loss:
+        if name not in LOSS_TERMS:
+            raise ValueError(f"{source}: train.loss names '{name}', which is not one of {', '.join(LOSS_TERMS)}")
+        if names.count(name) > 1:
+            raise ValueError(f"{source}: train.loss lists '{name}' twice; give each loss once, with its weight")
+        if not weight > 0:
+            raise ValueError(f"{source}: train.loss gives '{name}' the weight {weight:g}; expected a weight > 0 "
+                             "(leave out a loss to turn it off)")
+    if train.ohem and "ce" not in names:
+        raise ValueError(f"{source}: train.ohem selects the hard pixels of the ce loss, but train.loss "
+                         f"({','.join(names)}) has no ce; add ce or set train.ohem=false")
+    if train.class_weights and not {"ce", "focal"} & set(names):
+        raise ValueError(f"{source}: train.class_weights weigh the ce and focal losses, but train.loss "
+                         f"({','.join(names)}) has neither; add one or leave train.class_weights empty")

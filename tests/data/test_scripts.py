@@ -99,3 +99,26 @@ def test_verify_dataset_missing_root_exits_2(tmp_path, capsys):
     verify = _load_script("verify_dataset")
     assert verify.main(["--config", _config(tmp_path, tmp_path / "missing"), "--splits", "val"]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_verify_dataset_flags_binary_and_grey_level_masks_with_the_config_that_reads_them(tmp_path, capsys):
+    from tests.data.test_masks import _folder
+
+    verify = _load_script("verify_dataset")
+    binary = np.zeros((12, 12), dtype=np.uint8)
+    binary[3:8, 3:8] = 255
+    _folder(tmp_path / "binary", {"a": binary, "b": binary.T.copy()})
+    folder = ["data.dataset=folder", "data.train_split=all", "data.val_split=all"]
+    assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'binary'}",
+                        "data.num_classes=2"]) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "WARNING:" in line]
+    assert len(warnings) == 1 and "hold only the values 0 and 255" in warnings[0]
+    assert warnings[0].endswith("(command line: data.label_map=255:1)")
+
+    grey = np.repeat(np.array([0, 85, 170, 255], dtype=np.uint8), 3)[None].repeat(6, axis=0)
+    _folder(tmp_path / "grey", {"g": grey})
+    assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'grey'}", "data.num_classes=4"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert any("BAD: mask" in line and "g.png' has values [85, 170]" in line for line in out)
+    assert any(line.startswith("  WARNING:") and line.endswith("(command line: data.label_map=85:1,170:2,255:3)")
+               for line in out)

@@ -167,8 +167,8 @@ def test_non_finite_loss_stops_with_iteration_and_keeps_last_checkpoint(tmp_path
     original = trainer.parts.criterion.head_terms
 
     def poisoned(logits, target):
-        loss_sum, weight = original(logits, target)
-        return (loss_sum * float("nan") if trainer.iteration == 3 else loss_sum), weight
+        return {name: (loss_sum * float("nan") if trainer.iteration == 3 else loss_sum, weight)
+                for name, (loss_sum, weight) in original(logits, target).items()}
 
     monkeypatch.setattr(trainer.parts.criterion, "head_terms", poisoned)
     with pytest.raises(FloatingPointError, match="iteration 4"):

@@ -72,7 +72,9 @@ def _assert_same_gradients(actual: dict, expected: dict, *, atol: float = 1e-6) 
     assert all(g.dtype == torch.float64 for g in expected.values())  # float64: see tests/float64.py
 
 
-@pytest.mark.parametrize("extra", [(), ("train.class_weights=0.5,1,2,1,1,3",)], ids=["plain", "class_weights"])
+@pytest.mark.parametrize("extra", [(), ("train.class_weights=0.5,1,2,1,1,3",),
+                                   ("train.loss=ce:1,focal:0.5,dice:1,lovasz:0.5", "train.class_weights=0.5,1,2,1,1,3")],
+                         ids=["plain", "class_weights", "every_loss"])
 def test_batch_8x1_and_4x2_give_the_same_gradients_with_norm_layers_in_eval_mode(tmp_path, monkeypatch, extra):
     whole, whole_loss, whole_masks = _first_step_gradients(_trainer(tmp_path, "whole", *extra, float64=True))
     split, split_loss, split_masks = _first_step_gradients(_trainer(tmp_path, "split", "train.accumulate=2", *extra,

@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils.data import DataLoader, Dataset
 
+from data import BadSampleError
 from engine.atomic import write_atomically
 from engine.cli import (TIME_FORMAT, CommandFailed, describe_os_error, error_line, print_error, run_command,
-                        timestamp, writing)
+                        timestamp, unwrap_worker_message, writing)
 
 ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"(\d\d:\d\d:\d\d) (\S+): error: (.*)")
@@ -140,3 +142,42 @@ def test_importing_it_imports_no_third_party_package():
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert process.returncode == 0, process.stderr
     assert process.stdout.strip() == "[]"
+
+
+class _BadMask(Dataset):
+    """Sample 1 is bad, as data.base.SegmentationDataset raises it in a DataLoader worker."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        if index == 1:
+            raise BadSampleError("mask '/data/masks/b.png' has values [7] outside [0, 2]")
+        return index
+
+
+def test_a_bad_sample_in_a_dataloader_worker_is_still_one_line_naming_the_file(capsys):
+    with pytest.raises(BadSampleError) as caught:
+        list(DataLoader(_BadMask(), batch_size=None, num_workers=1))
+    error = caught.value
+    assert "DataLoader worker process" in str(error) and "Traceback" in str(error)  # what torch re-raises
+
+    def body() -> int:
+        raise error
+
+    assert run_command("train.py", body) == 2
+    (line,) = _stderr_lines(capsys)
+    assert LINE.fullmatch(line).group(3) == "mask '/data/masks/b.png' has values [7] outside [0, 2]"
+
+
+@pytest.mark.parametrize("message", [
+    "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+    "  File \"x.py\", line 1, in <module>\nValueError: a: b\n",
+    "Caught FileNotFoundError in DataLoader worker process 3.\nOriginal Traceback (most recent call last):\n"
+    "  File \"x.py\", line 1\nFileNotFoundError: a: b",
+])
+def test_worker_messages_unwrap_to_the_original_and_others_stay(message):
+    assert unwrap_worker_message(message) == "a: b"
+    assert unwrap_worker_message("a: b") == "a: b"
+    assert unwrap_worker_message("Caught ValueError in DataLoader worker process 0.\nno traceback") == (
+        "Caught ValueError in DataLoader worker process 0.\nno traceback")

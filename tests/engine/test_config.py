@@ -9,7 +9,8 @@ import yaml
 
 import data
 from data.synthetic import SHAPE_NAMES
-from engine.config import SYNTHETIC_MAX_CLASSES, Config, DataConfig, EvalConfig, all_keys, choices, validate
+from engine.config import (FIXED_CLASS_DATASETS, SYNTHETIC_MAX_CLASSES, Config, DataConfig, EvalConfig, all_keys, choices,
+                           validate)
 from engine.config import (
     build_config,
     from_dict,
@@ -273,8 +274,8 @@ def test_all_keys_are_exactly_the_keys_a_config_writes():
     missing from SECTIONS, or a field to_dict leaves out, fails here."""
     def dotted(raw, prefix=""):
         for name, value in raw.items():
-            if isinstance(value, dict):
-                yield from dotted(value, f"{prefix}{name}.")
+            if not prefix and isinstance(value, dict):  # a section (data.label_map's value is a mapping too)
+                yield from dotted(value, f"{name}.")
             else:
                 yield f"{prefix}{name}"
 
@@ -289,3 +290,95 @@ def test_build_config_starts_from_a_base_config():
     base = load_config("demo.yaml")
     config = build_config({"train.iters": "7"}, base=base)
     assert config.train.iters == 7 and config.model == base.model
+
+
+# ------------------------------------------------------------------ mapping-valued keys (issue 21)
+FOLDER = ["data.dataset=folder", "data.root=/data", "data.num_classes=4"]
+
+
+@pytest.mark.parametrize("yaml_value,override", [
+    ({255: 1, 128: "ignore"}, "data.label_map=255:1,128:ignore"),
+    ({"255": "1", "128": "IGNORE"}, "data.label_map={255: 1, 128: ignore}"),
+])
+def test_label_map_reads_from_yaml_and_the_command_line(tmp_path, yaml_value, override):
+    from_file = load_config(write(tmp_path / "c.yaml", {"data": {"dataset": "folder", "root": "/data",
+                                                                 "num_classes": 4, "label_map": yaml_value}}))
+    from_line = load_config(None, [*FOLDER, override])
+    assert from_file.data.label_map == from_line.data.label_map == ((128, "ignore"), (255, 1))
+
+
+def test_class_colors_read_rgb_triples_and_hex_and_write_hex(tmp_path):
+    expected = (((0, 0, 0), 0), ((128, 0, 64), 2), ((255, 255, 255), "ignore"))
+    from_file = load_config(write(tmp_path / "c.yaml", {"data": {
+        "dataset": "folder", "root": "/data", "num_classes": 4,
+        "class_colors": {"0,0,0": 0, "#800040": 2, "255, 255, 255": "ignore"}}}))
+    from_line = load_config(None, [*FOLDER, "data.class_colors=0,0,0:0,#800040:2,255,255,255:ignore"])
+    assert from_file.data.class_colors == from_line.data.class_colors == expected
+    assert to_dict(from_line)["data"]["class_colors"] == {"#000000": 0, "#800040": 2, "#ffffff": "ignore"}
+
+
+@pytest.mark.parametrize("yaml_value,override", [
+    ([{"ce": 1.0}, {"dice": 0.5}], "train.loss=ce:1,dice:0.5"),
+    ({"ce": 1, "dice": 0.5}, "train.loss=[ce: 1, dice: 0.5]"),
+])
+def test_loss_reads_weighted_names_in_order(tmp_path, yaml_value, override):
+    from_file = load_config(write(tmp_path / "c.yaml", {"train": {"loss": yaml_value}}))
+    assert from_file.train.loss == load_config(None, [override]).train.loss == (("ce", 1.0), ("dice", 0.5))
+    assert load_config(None, ["train.loss=lovasz,ce"]).train.loss == (("lovasz", 1.0), ("ce", 1.0))
+    assert Config().train.loss == (("ce", 1.0),)
+
+
+def test_mapping_keys_round_trip_through_dicts_yaml_and_checkpoint_configs(tmp_path):
+    config = load_config("demo.yaml", [*FOLDER, "data.label_map=255:1,7:ignore", "train.loss=ce:1,lovasz:0.5"])
+    plain = to_dict(config)
+    assert plain["data"]["label_map"] == {7: "ignore", 255: 1} and plain["train"]["loss"] == [{"ce": 1.0},
+                                                                                                {"lovasz": 0.5}]
+    assert from_dict(plain) == config
+    save_config(config, tmp_path / "saved.yaml")
+    assert load_config(str(tmp_path / "saved.yaml")) == config
+    colours = load_config("demo.yaml", [*FOLDER, "data.class_colors=#ff0000:1", "data.reduce_zero_label=false"])
+    assert from_dict(to_dict(colours)) == colours
+    # a checkpoint written as JSON has string keys
+    assert from_dict({"data": {**plain["data"], "label_map": {"7": "ignore", "255": 1}}}).data.label_map == (
+        (7, "ignore"), (255, 1))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.label_map=255"], "'data.label_map' expects raw value -> class index or ignore"),
+    (["data.label_map=a:1"], "'data.label_map' expects raw value -> class index or ignore"),
+    (["data.label_map=256:1"], "data.label_map has the raw value 256; masks are 8-bit"),
+    (["data.label_map=255:4"], "data.label_map maps 255 to 4; expected a class index 0..3 (dataset 'folder' has "
+                               "4 classes) or ignore"),
+    (["data.label_map=255:1,255:2"], "data.label_map lists the raw value 255 twice"),
+    (["data.class_colors=1,2:3"], "'data.class_colors' expects colour -> class index"),
+    (["data.class_colors=1,2,300:1"], "data.class_colors has the colour 1,2,300; expected R,G,B, each 0..255"),
+    (["data.class_colors=#ff0000:1,255,0,0:2"], "data.class_colors lists the colour 255,0,0 twice"),
+    (["data.class_colors=#ff0000:9"], "data.class_colors maps 255,0,0 to 9"),
+    (["data.class_colors=#ff0000:1", "data.label_map=255:1"], "data.class_colors and data.label_map are both set"),
+    (["data.class_colors=#ff0000:1", "data.reduce_zero_label=true"], "data.class_colors and data.reduce_zero_label"),
+    (["data.num_classes=255", "data.reduce_zero_label=true"], "reaches data.ignore_index=255"),
+    (["train.loss="], "train.loss is empty"),
+    (["train.loss=ce:x"], "'train.loss' expects loss name -> weight"),
+    (["train.loss=ce,bce"], "train.loss names 'bce', which is not one of ce, dice, focal, lovasz"),
+    (["train.loss=ce,ce:2"], "train.loss lists 'ce' twice"),
+    (["train.loss=ce:0"], "train.loss gives 'ce' the weight 0; expected a weight > 0"),
+    (["train.loss=dice", "train.ohem=true"], "train.ohem selects the hard pixels of the ce loss, but train.loss "
+                                             "(dice) has no ce"),
+    (["train.loss=dice,lovasz", "train.class_weights=1,2,1,1"], "train.class_weights weigh the ce and focal losses"),
+    (["train.focal_gamma=-1"], "train.focal_gamma=-1.0: must be >= 0"),
+])
+def test_mapping_keys_errors_name_the_key_the_value_and_what_is_expected(overrides, message):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [*FOLDER, *overrides])
+    assert message in str(error.value) and str(error.value).startswith("command line: ")
+
+
+def test_mask_encodings_are_for_datasets_with_mask_files_and_check_fixed_class_counts():
+    with pytest.raises(ValueError, match="data.label_map is set but the synthetic dataset has no mask files"):
+        load_config(None, ["data.label_map=255:1"])
+    with pytest.raises(ValueError, match="data.reduce_zero_label is for dataset 'folder'"):
+        load_config(None, ["data.dataset=ade20k", "data.reduce_zero_label=true"])
+    with pytest.raises(ValueError, match=r"expected a class index 0\.\.20 \(dataset 'voc' has 21 classes\)"):
+        load_config(None, ["data.dataset=voc", "data.label_map=255:21"])
+    assert load_config(None, ["data.dataset=cityscapes", "data.label_map=9:0"]).data.label_map == ((9, 0),)
+    assert set(data.FIXED_NUM_CLASSES) == set(FIXED_CLASS_DATASETS)
