@@ -3,8 +3,6 @@ step, the same schedule and exact resume; under DDP one gradient all-reduce per 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from engine.loss import SegmentationLoss, build_loss
 from engine.samplers import train_steps
 from engine.trainer import Trainer
 from tests.float64 import trainers_in_float64
+from tests.gloo import free_port, init_gloo
 
 # 32 px crops of 24-40 px images: the crops carry different amounts of ignore padding, so a micro-batch
 # normalized by its own pixels (instead of the step's) gives a visibly different gradient
@@ -137,16 +136,9 @@ def test_accumulated_run_resumes_exactly_and_schedules_per_optimizer_step(tmp_pa
 
 
 # ------------------------------------------------------------------------------------- 2-rank DDP
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ddp_worker(rank: int, port: int, tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    init_gloo(rank, 2, port, timeout_s=120)
     try:
         info = DistInfo(rank=rank, world_size=2, mode="ddp")
         results = {}
@@ -192,7 +184,7 @@ def _steps(events: list[str]) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 def test_two_rank_ddp_all_reduces_gradients_once_per_optimizer_step_and_matches_one_process(tmp_path):
-    mp.spawn(_ddp_worker, args=(_free_port(), tmp_path), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(free_port(), tmp_path), nprocs=2, join=True)
     saved = torch.load(tmp_path / "ddp.pt", weights_only=True)
     steps = {accumulate: _steps(events) for accumulate, events in saved["events"].items()}
     # (forward passes, gradient all-reduces) per optimizer step; DDP may rebuild its buckets after the

@@ -3,8 +3,6 @@ formulas (and segmentation_models_pytorch's losses where it is installed), gradi
 differences, and the global-batch reduction: one big batch == micro-batches == processes (float64)."""
 from __future__ import annotations
 
-import datetime
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ from engine.config import TrainConfig
 from engine.config.schema import LOSS_TERMS
 from engine.loss import NORMALIZED_BY, SegmentationLoss, build_loss
 from engine.loss_terms import dice_terms, focal_terms, lovasz_terms
+from tests.gloo import free_port, init_gloo
 
 IGNORE = 255
 
@@ -62,20 +61,21 @@ def focal_reference(logits, target, gamma, class_weights=None) -> float:
     return total / weight
 
 
+def _per_image_mean(logits, target, class_losses) -> float:
+    """Mean over the images that have a valid pixel of the mean of `class_losses(probabilities, labels)`."""
+    losses = [np.mean(class_losses(probabilities, labels)) for probabilities, labels in _pixels(logits, target)
+              if len(labels)]
+    return float(np.mean(losses))
+
+
 def dice_reference(logits, target) -> float:
     """Per image, per class present in its labels: 1 - 2|P.Y| / (|P| + |Y|); mean over those classes,
     then over the images that have a valid pixel."""
-    losses = []
-    for probabilities, labels in _pixels(logits, target):
-        if len(labels) == 0:
-            continue
-        per_class = []
-        for c in np.unique(labels):
-            y = (labels == c).astype(np.float64)
-            p = probabilities[:, c]
-            per_class.append(1 - 2 * (p * y).sum() / (p.sum() + y.sum()))
-        losses.append(np.mean(per_class))
-    return float(np.mean(losses))
+    def class_losses(probabilities, labels):
+        ys = [(c, (labels == c).astype(np.float64)) for c in np.unique(labels)]
+        return [1 - 2 * (probabilities[:, c] * y).sum() / (probabilities[:, c].sum() + y.sum()) for c, y in ys]
+
+    return _per_image_mean(logits, target, class_losses)
 
 
 def _lovasz_grad(gt_sorted: np.ndarray) -> np.ndarray:
@@ -91,20 +91,18 @@ def _lovasz_grad(gt_sorted: np.ndarray) -> np.ndarray:
 def lovasz_reference(logits, target) -> float:
     """lovasz_softmax(probas, labels, classes='present', per_image=True, ignore=255) of Berman et al.,
     averaged over the images that have a valid pixel."""
-    losses = []
-    for probabilities, labels in _pixels(logits, target):
-        if len(labels) == 0:
-            continue
-        per_class = []
+    def class_losses(probabilities, labels):
+        losses = []
         for c in range(probabilities.shape[1]):
             fg = (labels == c).astype(np.float64)
             if fg.sum() == 0:
                 continue
             errors = np.abs(fg - probabilities[:, c])
             order = np.argsort(-errors, kind="stable")
-            per_class.append(float(np.dot(errors[order], _lovasz_grad(fg[order]))))
-        losses.append(np.mean(per_class))
-    return float(np.mean(losses))
+            losses.append(float(np.dot(errors[order], _lovasz_grad(fg[order]))))
+        return losses
+
+    return _per_image_mean(logits, target, class_losses)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -208,16 +206,9 @@ def test_micro_batches_give_the_value_and_gradient_of_one_big_batch(terms):
     assert abs(naive - float(whole.detach())) > 1e-3
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_worker(rank: int, port: int, folder: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, 2, port, timeout_s=60)
     try:
         logits, target = _batch(9, shape=(6, 5, 6))
         target[1] = IGNORE
@@ -238,7 +229,7 @@ def _rank_worker(rank: int, port: int, folder: Path) -> None:
 
 @pytest.mark.slow
 def test_two_processes_with_and_without_micro_batches_give_one_big_batch(tmp_path):
-    mp.spawn(_rank_worker, args=(_free_port(), tmp_path), nprocs=2, join=True)
+    mp.spawn(_rank_worker, args=(free_port(), tmp_path), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     logits, target = _batch(9, shape=(6, 5, 6))
     target[1] = IGNORE
