@@ -76,7 +76,7 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
     instead). The model initializes identically on every process. Raises ValueError / FileNotFoundError
     for data, weights or settings that cannot be used (before any step)."""
     train_cfg, data_cfg, device = config.train, config.data, dist_info.device
-    torch.manual_seed(mix_seed(train_cfg.seed, "init") % 2**63)
+    torch.manual_seed(mix_seed(train_cfg.seed, "init"))  # mix_seed: 63 bits
     train_set = build_dataset(data_cfg, data_cfg.train_split, train=True)
     val_set = build_dataset(data_cfg, data_cfg.val_split, train=False)
     for dataset in {data_cfg.train_split: train_set, data_cfg.val_split: val_set}.values():

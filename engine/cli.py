@@ -33,14 +33,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from engine.atomic import TEMPORARY_SUFFIX  # standard library only, like this module
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
 TIME_FORMAT = "%H:%M:%S"  # the datefmt of every CLI's logging.basicConfig, and of the error lines
-# engine.atomic.write_atomically's temporary files: .<name>.<random>.tmp beside <name> (engine.atomic is not
-# imported: one constant is not worth coupling the import time of --help to it)
-_TEMPORARY_SUFFIX = ".tmp"
 
 
 class CommandFailed(Exception):
@@ -83,7 +82,7 @@ def describe_os_error(error: OSError, *, mentioned: str = "") -> str:
             continue
         name = _file_name(raw)
         base = os.path.basename(name)
-        if base.startswith(".") and base.endswith(_TEMPORARY_SUFFIX):
+        if base.startswith(".") and base.endswith(TEMPORARY_SUFFIX):
             name = os.path.dirname(name) or "."
         if f"'{name}'" not in said and name not in names:
             names.append(name)

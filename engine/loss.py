@@ -86,12 +86,12 @@ class SegmentationLoss(nn.Module):
                 bad = low.item() if low < 0 else high.item()
                 raise ValueError(f"mask value {bad} is not a class index in 0..{num_classes - 1} "
                                  f"nor ignore_index={self.ignore_index}")
+        pixel_weight = weights[safe_target] * valid if weights is not None else valid.to(logits.dtype)
         terms = {}
         for name, _ in self.loss_terms:
             if name == "ce":
-                terms[name] = self.cross_entropy_terms(logits, target, weights, valid, safe_target)
+                terms[name] = self.cross_entropy_terms(logits, target, weights, valid, safe_target, pixel_weight)
             elif name == "focal":
-                pixel_weight = weights[safe_target] * valid if weights is not None else valid.to(logits.dtype)
                 terms[name] = focal_terms(logits, safe_target, pixel_weight, gamma=self.focal_gamma)
             elif name == "dice":
                 terms[name] = dice_terms(logits, safe_target, valid)
@@ -101,10 +101,11 @@ class SegmentationLoss(nn.Module):
         return terms
 
     def cross_entropy_terms(self, logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None,
-                            valid: torch.Tensor, safe_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss sum, weight sum) of the (class-weighted, OHEM-filtered) cross-entropy."""
+                            valid: torch.Tensor, safe_target: torch.Tensor,
+                            pixel_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, weight sum) of the (class-weighted, OHEM-filtered) cross-entropy; `pixel_weight` is
+        each pixel's class weight (0 where ignored)."""
         losses = F.cross_entropy(logits, target, weight=weights, ignore_index=self.ignore_index, reduction="none")
-        pixel_weight = weights[safe_target] * valid if weights is not None else valid.to(losses.dtype)
         if self.ohem:
             keep = self._ohem_keep(logits.detach(), safe_target, valid)
             losses = losses * keep

@@ -35,7 +35,7 @@ def build_precise_bn_loader(dataset: Any, *, num_batches: int, batch_size: int, 
                             seed: int) -> DataLoader:
     """`num_batches` micro-batches of `batch_size` images (global) from `dataset` (augmented as in training),
     this process's share of each, the same on every call: a permutation seeded by `seed`."""
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(mix_seed(seed, "precise_bn") % 2**63))
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(mix_seed(seed, "precise_bn")))
     keys = [(int(index), mix_seed(seed, "precise_bn", int(index)) % 2**31) for index in order.tolist()]
     batches = []
     for number in range(num_batches):

@@ -263,7 +263,7 @@ class Trainer:
             parts.ema.resume(state.get("ema"), self.model)
         self.iteration, self.best_miou = int(state["iteration"]), float(state["best_miou"])
         self.checkpointer.restore_rng(state["rng"], reseed=mix_seed(self.config.train.seed, "train", self.dist.rank,
-                                                                    self.iteration) % 2**63)
+                                                                    self.iteration))
 
     def save(self, names: list[str]) -> None:
         """Write run_dir/<name> for each name (engine.checkpoint.Checkpointer.save; every process calls it).
