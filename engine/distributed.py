@@ -184,7 +184,9 @@ def setup_distributed(gpus: str | None, *, timeout_s: float = 300.0, launch: Lau
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend, device_ids = "nccl", (local_rank,)
+        # NCCL for the model's tensors; gloo for CPU tensors (the per-step stop agreement, engine.signals),
+        # torch's own default pairing, so agreeing on a stop never waits for the GPU
+        backend, device_ids = "cpu:gloo,cuda:nccl", (local_rank,)
         options["device_id"] = device  # NCCL binds its communicator to this GPU at once
     else:
         device, backend, device_ids = torch.device("cpu"), "gloo", ()
@@ -325,6 +327,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over processes in place (no-op outside torch.distributed); returns it."""
     if is_dist():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The element-wise maximum of `tensor` over processes, in place (no-op outside torch.distributed)."""
+    if is_dist():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
 

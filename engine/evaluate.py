@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from engine.distributed import all_reduce_sum, get_rank, get_world_size
+from engine.distributed import all_reduce_max, all_reduce_sum, get_rank, get_world_size
 from engine.inference import predict_batch
 from engine.confusion import ConfusionMatrix
 from engine.seeding import worker_init
@@ -99,8 +99,10 @@ def evaluate(
     classes: Sequence[str] | None = None,
     progress: bool = True,
     on_batch: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-) -> dict[str, Any]:
-    """Evaluate `model` on `loader`; returns ConfusionMatrix.compute()'s dict plus num_images.
+    should_stop: Callable[[], bool] | None = None,
+) -> dict[str, Any] | None:
+    """Evaluate `model` on `loader`; returns ConfusionMatrix.compute()'s dict plus num_images, or None when
+    `should_stop` ended it early.
 
     Each batch is predicted by engine.inference.predict_batch with `data_cfg` (mean, std) and `eval_cfg`
     (mode, window, stride, scales, flip, amp) and counted with data_cfg.ignore_index skipped.
@@ -109,7 +111,9 @@ def evaluate(
     processes that see different numbers of images). Under torch.distributed every process must
     call evaluate (the matrix and the image count are all-reduced). `classes` adds a "classes" entry
     naming the per-class lists. `on_batch(batch_index, predictions N x H x W int64 on the CPU,
-    masks)` is called for every batch on every process (e.g. to save predictions).
+    masks)` is called for every batch on every process (e.g. to save predictions). `should_stop()` is asked
+    before every batch (a stop request agreed by every process, engine.signals): every process asks it
+    equally often, a shorter shard after its last batch too, and all end at the same batch.
     """
     device = torch.device(device)
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -128,7 +132,7 @@ def evaluate(
         redirect = logging_redirect_tqdm()  # log lines above the bar, not written into it
     try:
         with torch.inference_mode(), redirect:
-            for batch_index, (images, masks) in enumerate(batches):
+            for batch_index, (images, masks) in enumerate(_until_stop(batches, should_stop)):
                 images = images.to(device, non_blocking=True)
                 masks = masks.to(device, non_blocking=True)
                 # an image resized by the pipeline, not its mask: the logits come back at the mask's size
@@ -139,6 +143,8 @@ def evaluate(
                 num_images += images.shape[0]
                 if on_batch is not None:
                     on_batch(batch_index, predictions.cpu(), masks.cpu())
+    except EvaluationStopped:
+        return None
     finally:
         model.train(was_training)
     matrix.all_reduce()
@@ -148,3 +154,23 @@ def evaluate(
     if classes is not None:
         results["classes"] = list(classes)
     return results
+
+
+class EvaluationStopped(Exception):
+    """Raised by _until_stop when every process agreed to stop; evaluate() returns None."""
+
+
+def _until_stop(batches: Any, should_stop: Callable[[], bool] | None) -> Iterator[Any]:
+    """The batches of `batches`, asking `should_stop()` before each. Under torch.distributed the shards
+    differ in length, so every process asks as often as the longest shard has batches."""
+    if should_stop is None:
+        yield from batches
+        return
+    rounds = int(all_reduce_max(torch.tensor([len(batches)]))[0])
+    iterator = iter(batches)
+    for _ in range(rounds):
+        if should_stop():
+            raise EvaluationStopped
+        batch = next(iterator, None)
+        if batch is not None:
+            yield batch

@@ -2,12 +2,15 @@
 
 Schedulers stop a job by signalling its whole process group (Slurm's scancel and preemption,
 Kubernetes, systemd, `timeout`, torchrun itself; Ctrl-C sends SIGINT the same way). The loop finishes
-the step, saves last.pt and returns; train.py then exits with 128 + the signal number, so the
-scheduler records an unfinished job.
+the step in progress, saves last.pt at that step and returns; a validation in progress ends at its next
+batch. train.py then exits with 128 + the signal number, so the scheduler records an unfinished job.
 
-Under torch.distributed every process must stop at the same iteration (one stopping early would
-leave the others waiting in a collective), so the flag is summed over the processes. The sum is read
-one step late, so reading it never waits for the slowest process.
+Under torch.distributed every process must stop at the same iteration (one stopping early would leave
+the others waiting in a collective), so after each step (and between validation batches) the processes
+take the maximum of their flags: one float in a CPU all-reduce (gloo, also in NCCL jobs, whose process
+group carries a gloo backend for CPU tensors), so agreeing never waits for a GPU. A request that arrives
+during step k stops every process at k; one that arrives after a process has joined step k's agreement
+stops them at k + 1.
 
 A second SIGTERM (torchrun forwards one after the group's own) is ignored. A second SIGINT interrupts
 at once (KeyboardInterrupt), except during a save, where it waits until the file is complete.
@@ -21,9 +24,8 @@ import threading
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
-from engine.distributed import is_dist
+from engine.distributed import all_reduce_max, is_dist
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +34,10 @@ class StopRequest:
     """Context manager: installs SIGINT/SIGTERM handlers (main thread only) and restores the previous
     ones on exit. `received` is the first signal number."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.received: int | None = None
+        self.iteration = 0  # the step in progress, for the log line (the training loop keeps it current)
         self._previous: dict[int, Any] = {}
-        self._pending: torch.Tensor | None = None
         self._saving = False
         self._interrupt_after_save = False
 
@@ -49,8 +50,8 @@ class StopRequest:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signum
-            logger.warning("received %s: finishing the current step, then saving last.pt",
-                           signal.Signals(signum).name)
+            logger.warning("received %s during iteration %d: finishing it, then saving last.pt",
+                           signal.Signals(signum).name, self.iteration)
         elif signum == signal.SIGINT:
             if self._saving:
                 self._interrupt_after_save = True
@@ -73,13 +74,13 @@ class StopRequest:
             raise KeyboardInterrupt
 
     def agreed(self) -> bool:
-        """Whether every process stops now (call once per step on every process)."""
+        """Whether every process stops now. Under torch.distributed every process must call it the same
+        number of times (once per step, once per validation batch): each call is one CPU all-reduce."""
         if not is_dist():
             return self.received is not None
-        flag = torch.tensor([float(self.received or 0)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the signal number that any process received
-        previous, self._pending = self._pending, flag
-        if previous is None or previous.item() == 0:
+        flag = torch.tensor([float(self.received or 0)])  # CPU: the gloo backend, no wait for a GPU
+        all_reduce_max(flag)  # the signal number that any process received
+        if flag.item() == 0:
             return False
-        self.received = self.received or int(previous.item())
+        self.received = self.received or int(flag.item())
         return True

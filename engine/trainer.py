@@ -60,6 +60,32 @@ class Due:
     validate: bool
     stop: bool  # a stop request every process agreed on
 
+    @classmethod
+    def after(cls, iteration: int, train_cfg: Any, *, stop_at: int, stop_requested: bool) -> "Due":
+        """What is due after step `iteration` of a fit up to `stop_at` (train_cfg: config.train)."""
+        at_end = iteration == train_cfg.iters
+        stop = stop_requested and iteration < stop_at
+        log = iteration % train_cfg.log_interval == 0
+        checkpoint = iteration % train_cfg.ckpt_interval == 0 or at_end or iteration == stop_at or stop
+        validate = (iteration % train_cfg.val_interval == 0 or at_end) and not stop
+        return cls(record=log or checkpoint or validate, log=log, checkpoint=checkpoint, validate=validate, stop=stop)
+
+
+def read_back_losses(pending: list[tuple[int, torch.Tensor]], *, run_dir: Any) -> dict[int, float]:
+    """{iteration: loss summed over processes} of the steps' (iteration, loss share) in `pending` (one
+    all-reduce: every process calls it with as many steps); non_finite_error on the first non-finite one."""
+    if not pending:
+        return {}
+    values = torch.stack([loss for _, loss in pending])
+    values = values.to(torch.promote_types(values.dtype, torch.float32))  # float64 losses stay float64
+    all_reduce_sum(values)
+    losses = {}
+    for (iteration, _), value in zip(pending, values.cpu().tolist()):
+        if not math.isfinite(value):
+            raise non_finite_error(f"loss ({value})", iteration=iteration, run_dir=run_dir)
+        losses[iteration] = value
+    return losses
+
 
 class Trainer:
     """Trains `parts` (engine.build.TrainingParts). Only rank 0 writes files.
@@ -80,6 +106,7 @@ class Trainer:
         self.run_dir = self.config.run_dir
         self.checkpointer = Checkpointer(self.run_dir, self.dist)
         self.iteration, self.best_miou, self.best_metrics = 0, -1.0, None  # best_metrics: best.pt's validation
+        self.validation_due = False  # a stop ended this iteration's validation: a resume runs it first
         self._steps: Iterator[list[Any]] | None = None  # created at the first fit, from self.iteration
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (iteration, loss) not yet read back
         self.vis_indices = list(range(min(self.config.train.num_vis_images, len(parts.val_set))))
@@ -111,17 +138,21 @@ class Trainer:
             self._steps = train_steps(self.parts.train_loader, self.iteration)
         self.model.train()
         throughput, loop_start, periodic_seconds = Throughput(self.iteration), time.perf_counter(), 0.0
-        with StopRequest(self.device) as stop, progress_bar(enabled=self.progress, total=stop_at,
-                                                            initial=self.iteration) as bar, self.log.flushed_at_exit():
-            while self.iteration < stop_at:
+        with StopRequest() as stop, progress_bar(enabled=self.progress, total=stop_at,
+                                                 initial=self.iteration) as bar, self.log.flushed_at_exit():
+            stop.iteration = self.iteration
+            stopped = self.validation_due and not self._validate(stop, result)  # the one a stop ended
+            while self.iteration < stop_at and not stopped:
+                stop.iteration = self.iteration + 1
                 wait_start = time.perf_counter()
                 micro_batches = next(self._steps)
                 throughput.add(images=self.config.train.batch_size, data_seconds=time.perf_counter() - wait_start)
                 self._pending_losses.append((self.iteration + 1, self.train_step(micro_batches)))
                 self.iteration += 1
-                due = self._due(stop_at, stop_requested=stop.agreed())
-                if due.record:
-                    self._record_losses(result)  # raises on a non-finite loss, before anything is saved
+                due = Due.after(self.iteration, self.config.train, stop_at=stop_at, stop_requested=stop.agreed())
+                if due.record:  # raises on a non-finite loss, before anything is saved
+                    result.losses.update(read_back_losses(self._pending_losses, run_dir=self.run_dir))
+                    self._pending_losses = []
                 if due.log:
                     self._log_training(result, throughput, stop_at, bar)
                 if bar is not None:
@@ -132,32 +163,16 @@ class Trainer:
                 if due.checkpoint:
                     with stop.deferring_interrupts():
                         self.save(["last.pt"])
-                if due.validate:
-                    result.last_val = metrics = self.validate()
-                    if metrics["miou"] > self.best_miou:
-                        self.best_miou, self.best_metrics = float(metrics["miou"]), metrics
-                        with stop.deferring_interrupts():
-                            self.save(["best.pt"])
+                stopped = due.stop or (due.validate and not self._validate(stop, result))
                 periodic_seconds += time.perf_counter() - periodic_start
-                if due.stop:
-                    result.reason, result.signal = "signal", stop.received
-                    logger.warning("stopped by signal at iteration %d; last.pt saved", self.iteration)
-                    break
+            if stopped:
+                result.reason, result.signal = "signal", stop.received
+                logger.warning("stopped by signal at iteration %d; last.pt saved", self.iteration)
         result.train_seconds = time.perf_counter() - loop_start - periodic_seconds
         if result.reason != "signal" and self.iteration < total:
             result.reason = "stopped"
         result.iteration, result.best_miou = self.iteration, self.best_miou
         return result
-
-    def _due(self, stop_at: int, *, stop_requested: bool) -> Due:
-        it, train_cfg = self.iteration, self.config.train
-        at_end = it == train_cfg.iters
-        stop = stop_requested and it < stop_at
-        log = it % train_cfg.log_interval == 0
-        checkpoint = it % train_cfg.ckpt_interval == 0 or at_end or it == stop_at or stop
-        validate = (it % train_cfg.val_interval == 0 or at_end) and not stop
-        return Due(record=log or checkpoint or validate, log=log, checkpoint=checkpoint, validate=validate,
-                   stop=stop)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step on train.accumulate (uint8 images, masks) micro-batches (engine.accumulation);
@@ -184,19 +199,6 @@ class Trainer:
             parts.ema.update(self.model)
         return torch.stack(shares).sum()
 
-    def _record_losses(self, result: TrainResult) -> None:
-        """Move the pending per-step losses (summed over processes) into result.losses."""
-        if not self._pending_losses:
-            return
-        values = torch.stack([loss for _, loss in self._pending_losses])
-        values = values.to(torch.promote_types(values.dtype, torch.float32))  # float64 losses stay float64
-        all_reduce_sum(values)
-        for (iteration, _), value in zip(self._pending_losses, values.cpu().tolist()):
-            if not math.isfinite(value):
-                raise non_finite_error(f"loss ({value})", iteration=iteration, run_dir=self.run_dir)
-            result.losses[iteration] = value
-        self._pending_losses = []
-
     def _log_training(self, result: TrainResult, throughput: Throughput, stop_at: int, bar: Any) -> None:
         interval = self.config.train.log_interval
         recent = [result.losses[i] for i in range(self.iteration - interval + 1, self.iteration + 1)
@@ -217,13 +219,28 @@ class Trainer:
             logger.info(progress_line(record, iteration=self.iteration, stop_at=stop_at,
                                       eta=throughput.eta_seconds(self.iteration, stop_at)))
 
-    def validate(self) -> dict[str, Any]:
+    def _validate(self, stop: StopRequest, result: TrainResult) -> bool:
+        """Validate at this iteration and write best.pt when it is better; False when a stop agreed between
+        validation batches ended it (last.pt is then written with the validation still due)."""
+        metrics = self.validate(should_stop=stop.agreed)
+        self.validation_due = metrics is None
+        with stop.deferring_interrupts():
+            if metrics is None:
+                self.save(["last.pt"])
+            elif metrics["miou"] > self.best_miou:
+                self.best_miou, self.best_metrics = float(metrics["miou"]), metrics
+                self.save(["best.pt"])
+        result.last_val = metrics or result.last_val
+        return metrics is not None
+
+    def validate(self, *, should_stop: Any = None) -> dict[str, Any] | None:
         """evaluate() on the validation shard of this process (the same code path as eval.py), logged; the
-        averaged weights when train.ema_decay > 0."""
+        averaged weights when train.ema_decay > 0. None when `should_stop()` (asked between batches) ended it."""
         parts, classes, model = self.parts, self.parts.classes, self.parts.eval_model
         metrics = evaluate(model, parts.val_loader, num_classes=len(classes), device=self.device,
-                           data_cfg=self.config.data, eval_cfg=self.config.eval, classes=classes, progress=False)
-        if self.dist.is_main:
+                           data_cfg=self.config.data, eval_cfg=self.config.eval, classes=classes, progress=False,
+                           should_stop=should_stop)
+        if metrics is not None and self.dist.is_main:
             self.log.validation(metrics, classes=classes, step=self.iteration)
             if self.vis_indices:
                 grid = prediction_grid(model, parts.val_set, self.vis_indices, device=self.device,
@@ -243,6 +260,7 @@ class Trainer:
             "epoch": self.iteration // parts.sampler.batches_per_epoch, "best_miou": self.best_miou,
             "optimizer": self.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict(), "run_id": self.run_id, "overrides": self.overrides,
+            "validation_due": self.validation_due,
             **({"ema": parts.ema.state_dict()} if parts.ema is not None else {}),
         }
 
@@ -262,6 +280,7 @@ class Trainer:
         if parts.ema is not None:
             parts.ema.resume(state.get("ema"), self.model)
         self.iteration, self.best_miou = int(state["iteration"]), float(state["best_miou"])
+        self.validation_due = bool(state.get("validation_due", False))
         self.checkpointer.restore_rng(state["rng"], reseed=mix_seed(self.config.train.seed, "train", self.dist.rank,
                                                                     self.iteration))
 

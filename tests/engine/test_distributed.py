@@ -126,6 +126,22 @@ def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
     assert info.device == torch.device("cpu") and info.num_replicas == 2 and info.launch.launcher == "torchrun"
 
 
+def test_torchrun_env_with_cuda_pairs_nccl_with_gloo_for_cpu_tensors(monkeypatch):
+    """NCCL carries the model's tensors; the stop agreement (engine.signals) all-reduces a CPU tensor, which
+    needs a CPU backend in the same group: torch's own default pairing, cpu:gloo,cuda:nccl."""
+    fake = _fake_cuda(monkeypatch, 2)
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: calls.append(kw))
+    info = setup_distributed(None, timeout_s=20)
+    assert [call["backend"] for call in calls] == ["cpu:gloo,cuda:nccl"]
+    assert calls[0]["device_id"] == torch.device("cuda", 1) and fake.set_calls == [1]
+    assert info.device == torch.device("cuda", 1) and info.device_ids == (1,)
+
+
 def test_slurm_tasks_get_ranks_and_a_rendezvous_address_from_slurm():
     environ = {"SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4",
                "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_NUM_NODES": "2",

@@ -12,7 +12,7 @@ from engine.signals import StopRequest
 
 def test_first_signal_sets_the_flag_and_the_handlers_are_restored():
     before = signal.getsignal(signal.SIGTERM)
-    with StopRequest(torch.device("cpu")) as stop:
+    with StopRequest() as stop:
         assert not stop.agreed()
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == signal.SIGTERM and stop.agreed()
@@ -22,7 +22,7 @@ def test_first_signal_sets_the_flag_and_the_handlers_are_restored():
 
 
 def test_a_second_sigint_interrupts_but_never_in_the_middle_of_a_save():
-    with StopRequest(torch.device("cpu")) as stop:
+    with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         steps = []
         with pytest.raises(KeyboardInterrupt):

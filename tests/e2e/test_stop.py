@@ -1,0 +1,123 @@
+"""A stop under torchrun (2 gloo processes) saves at the step it was requested in, and one requested during a
+validation ends that validation at its next batch; the resume runs the validation the stop cut short.
+
+The signal reaches one rank only, from inside the step (or the validation batch) it is about: the other
+rank learns of it through the per-step agreement (engine.signals), so both must end at the same iteration.
+
+Run as a module (by the tests, under torchrun), this file trains, sends SIGTERM to its own process where
+STOP_AT says (`step:K:RANK` or `val:BATCH:RANK`), and writes what each rank saw as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.common import ROOT, TINY_BASE
+
+TINY = [*TINY_BASE, "data.synthetic_val_size=5", "model.channels_last=false", "train.amp=off", "train.iters=4",
+        "train.warmup_iters=1", "train.ckpt_interval=100", "eval.batch_size=1"]
+
+
+def _run(tmp_path: Path, name: str, *, stop_at: str = "", resume: bool = False, extra: tuple[str, ...] = ()) -> list:
+    """Train under torchrun with 2 processes; returns each rank's JSON."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", STOP_AT=stop_at)
+    for variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    output = tmp_path / f"{name}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--module",
+               "tests.e2e.test_stop", str(output), *(["--resume"] if resume else []),
+               f"output_dir={tmp_path / 'run'}", *TINY, *extra]
+    process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-4000:]
+    return [json.loads(output.with_suffix(f".{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _last_pt(tmp_path: Path) -> dict:
+    return torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.mark.slow
+def test_a_stop_requested_during_step_k_on_one_rank_saves_at_k_on_both(tmp_path):
+    ranks = _run(tmp_path, "stop", stop_at="step:2:1", extra=("train.val_interval=100",))
+    assert [rank["iteration"] for rank in ranks] == [2, 2]
+    assert [rank["reason"] for rank in ranks] == ["signal", "signal"] and ranks[0]["signal"] == 15
+    last = _last_pt(tmp_path)
+    assert last["iteration"] == 2 and not last["validation_due"]
+    assert sorted(ranks[0]["losses"]) == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_a_stop_during_validation_ends_it_early_and_the_resume_runs_it_first(tmp_path):
+    straight = _run(tmp_path / "straight", "straight", extra=("train.val_interval=2",))
+    # 5 validation images: rank 0 has 3, rank 1 has 2; the signal comes during rank 1's last one, so rank 1
+    # asks for the agreement once more after its shard is done and rank 0 must not start its third
+    ranks = _run(tmp_path, "stop", stop_at="val:2:1", extra=("train.val_interval=2",))
+    assert [rank["iteration"] for rank in ranks] == [2, 2]
+    assert [rank["reason"] for rank in ranks] == ["signal", "signal"]
+    assert [rank["val_batches"] for rank in ranks] == [2, 2]  # of 3 and 2: rank 0 stopped before its third
+    assert [rank["val"] for rank in ranks] == [None, None]
+    last = _last_pt(tmp_path)
+    assert last["iteration"] == 2 and last["validation_due"]
+
+    resumed = _run(tmp_path, "resumed", resume=True, extra=("train.val_interval=2",))
+    assert [rank["val_batches"] for rank in resumed] == [3 + 3, 2 + 2]  # iteration 2's validation, then 4's
+    assert resumed[0]["reason"] == "finished" and resumed[0]["iteration"] == 4
+    assert resumed[0]["losses"] == {step: straight[0]["losses"][step] for step in ("3", "4")}
+    assert resumed[0]["val"] == straight[0]["val"]
+    validations = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    validated = [record["iteration"] for record in validations if record.get("type") == "val"]
+    assert validated == [2, 4]
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tests.e2e.test_stop OUTPUT [--resume] KEY=VALUE...` under torchrun, from the repository root."""
+    import logging
+    import signal
+
+    import engine.evaluate
+    from engine.checkpoint import RESUME_KEYS, load_checkpoint
+    from engine.config import load_config
+    from engine.distributed import cleanup, setup_distributed
+    from engine.trainer import Trainer
+
+    output, resume = Path(argv[0]), argv[1:2] == ["--resume"]
+    overrides = argv[2:] if resume else argv[1:]
+    info = setup_distributed(None)
+    logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING)
+    config = load_config("demo.yaml", overrides)
+    payload = load_checkpoint(config.run_dir / "last.pt", required_keys=RESUME_KEYS) if resume else None
+    trainer = Trainer.from_config(config, info, resume=payload, progress=False)
+    where, _, rest = os.environ.get("STOP_AT", "").partition(":")
+    count, rank = (int(value) for value in rest.split(":")) if where else (0, -1)
+    seen = {"step": 0, "val": 0}
+
+    def signalling(function, kind):
+        def wrapped(*args, **kwargs):
+            seen[kind] += 1
+            value = function(*args, **kwargs)
+            if kind == where and seen[kind] == count and info.rank == rank:
+                os.kill(os.getpid(), signal.SIGTERM)  # inside the step / the batch it is about
+            return value
+        return wrapped
+
+    trainer.train_step = signalling(trainer.train_step, "step")
+    engine.evaluate.predict_batch = signalling(engine.evaluate.predict_batch, "val")
+    result = trainer.fit()
+    output.with_suffix(f".{info.rank}.json").write_text(json.dumps({
+        "iteration": result.iteration, "reason": result.reason, "signal": result.signal, "val_batches": seen["val"],
+        "losses": {str(k): v for k, v in result.losses.items()},
+        "val": result.last_val and {k: result.last_val[k] for k in ("miou", "num_images")},
+    }))
+    trainer.close()
+    cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
