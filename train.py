@@ -18,6 +18,7 @@ import os
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 from engine.cli import TIME_FORMAT, describe_error, print_error  # the standard library only
 
@@ -70,13 +71,34 @@ def _interpreter() -> str:
     return relative if not relative.startswith("..") else sys.executable
 
 
-def resume_command(args: argparse.Namespace, dist_info) -> str:
-    """The command line that continues this run, in the form it was launched in."""
+def launcher_command(pid: int) -> list[str] | None:
+    """The torchrun command line of process `pid` (the agent that started this worker), or None when that
+    process is not torchrun or its command line cannot be read."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return None
+    for index, part in enumerate(argv[:3]):
+        if Path(part).name == "torchrun" or (part == "torch.distributed.run" and argv[index - 1:index] == ["-m"]):
+            return argv
+    return None
+
+
+def resume_command(args: argparse.Namespace, dist_info, *, parent: int | None = None) -> str:
+    """The command line that continues this run, in the form it was launched in: under torchrun the
+    agent's own command (its --nnodes, min:max for an elastic launch, and rendezvous options; the run
+    dir's last.pt is resumed by itself there), otherwise train.py's arguments with --resume auto."""
+    launch = dist_info.launch
+    if launch.launcher == "torchrun":
+        agent = launcher_command(os.getppid() if parent is None else parent)
+        if agent is not None:
+            agent[0] = _interpreter() if Path(agent[0]).name.startswith("python") else agent[0]
+            prefix = "srun " if "SLURM_STEP_ID" in os.environ else ""
+            return prefix + " ".join(shlex.quote(part) for part in agent)
     parts = ["--config", args.config, "--resume", "auto"] if args.config else ["--resume", args.resume or ""]
     if args.gpus:
         parts += ["--gpus", args.gpus]
     tail = " ".join(shlex.quote(part) for part in ["train.py", *parts, *args.overrides])
-    launch = dist_info.launch
     if launch.launcher == "torchrun":
         nodes = f"--nnodes {launch.num_nodes} " if launch.num_nodes > 1 else ""
         rendezvous = "<the same rendezvous options> " if launch.num_nodes > 1 else ""
@@ -85,6 +107,19 @@ def resume_command(args: argparse.Namespace, dist_info) -> str:
     if launch.launcher == "slurm":
         return f"srun {shlex.quote(_interpreter())} {tail}"
     return f"{shlex.quote(_interpreter())} {tail}"
+
+
+def lost_contact_message(error: BaseException, *, rank: int, timeout_s: float, launcher: str) -> str:
+    """The line for a collective that failed because a peer hung, died or became unreachable: the
+    backend's own first line, whole, and what brings the run back under this launcher."""
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    again = {
+        "torchrun": "Under torchrun --max-restarts the job restarts and resumes from last.pt",
+        "slurm": "Requeue the job (scontrol requeue $SLURM_JOB_ID; scripts/slurm/train.sbatch does it by itself) "
+                 "and it resumes from last.pt with --resume auto",
+    }.get(launcher, "Start the same command with --resume auto to continue from last.pt")
+    return (f"rank {rank}: lost contact with the other processes; a peer hung, was killed or became unreachable, "
+            f"and collectives wait at most dist.timeout_s={timeout_s:g} s. {again}. The backend said: {first_line}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         elif not is_communication_error(error):
             raise
         else:
-            code, message = 1, (f"rank {dist_info.rank}: lost contact with the other processes "
-                                f"({str(error).strip().splitlines()[0][:200]}); a peer hung, was killed or became "
-                                f"unreachable, and collectives wait at most dist.timeout_s={timeout_s:g} s. Under "
-                                "torchrun --max-restarts the job restarts and resumes from last.pt")
+            code, message = 1, lost_contact_message(error, rank=dist_info.rank, timeout_s=timeout_s,
+                                                    launcher=dist_info.launch.launcher)
     finally:
         if trainer is not None:
             trainer.close()  # stops the data-loading workers, which ignore SIGINT/SIGTERM

@@ -233,11 +233,16 @@ def _process_state(pid: int) -> str:
 # ------------------------------------------------------------------------------------------ two hosts
 @contextlib.contextmanager
 def _two_hosts():
-    """Two network namespaces joined by a veth pair: 10.213.N.1 and 10.213.N.2 (addresses inside them only)."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("network namespaces need root and iproute2")
+    """Two "nodes": network namespaces joined by a veth pair, 10.213.N.1 and 10.213.N.2 (addresses inside them
+    only), each with a hostname of its own that resolves to its own address on both, as on real nodes
+    (`ip netns exec` mounts /etc/netns/<namespace>/hosts over /etc/hosts; `unshare --uts` gives the
+    hostname). Yields (namespace, hostname, address) per node and the launcher prefix that runs a command
+    on a node."""
+    if shutil.which("ip") is None or shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("network namespaces need root, iproute2 and unshare")
     tag = f"ss{os.getpid() % 100000}"
     hosts = [f"{tag}a", f"{tag}b"]
+    names = [f"{tag}-node1", f"{tag}-node2"]
     subnet = f"10.213.{os.getpid() % 250}"
     commands = [["ip", "netns", "add", hosts[0]], ["ip", "netns", "add", hosts[1]],
                 ["ip", "link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"],
@@ -245,15 +250,30 @@ def _two_hosts():
     for host, device, last in ((hosts[0], f"{tag}va", 1), (hosts[1], f"{tag}vb", 2)):
         commands += [["ip", "-n", host, "addr", "add", f"{subnet}.{last}/24", "dev", device],
                      ["ip", "-n", host, "link", "set", device, "up"], ["ip", "-n", host, "link", "set", "lo", "up"]]
+    netns_etc = Path("/etc/netns")
+    created_etc = not netns_etc.exists()
     try:
         for command in commands:
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 pytest.skip(f"cannot create network namespaces here: {' '.join(command)}: {result.stderr.strip()}")
-        yield [(hosts[0], f"{tag}va", f"{subnet}.1"), (hosts[1], f"{tag}vb", f"{subnet}.2")]
+        table = f"127.0.0.1 localhost\n{subnet}.1 {names[0]}\n{subnet}.2 {names[1]}\n"
+        for host in hosts:
+            (netns_etc / host).mkdir(parents=True, exist_ok=True)
+            (netns_etc / host / "hosts").write_text(table)
+
+        def on_node(index: int) -> list[str]:
+            return ["ip", "netns", "exec", hosts[index], "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                    names[index]]
+
+        yield [(hosts[0], names[0], f"{subnet}.1"), (hosts[1], names[1], f"{subnet}.2")], on_node
     finally:
         for host in hosts:
             subprocess.run(["ip", "netns", "del", host], capture_output=True)
+            shutil.rmtree(netns_etc / host, ignore_errors=True)
+        if created_etc:
+            with contextlib.suppress(OSError):
+                netns_etc.rmdir()
 
 
 def _succeed_all(processes: list[subprocess.Popen], timeout: float = 300) -> list[str]:
@@ -271,19 +291,18 @@ def _succeed_all(processes: list[subprocess.Popen], timeout: float = 300) -> lis
 
 @pytest.mark.slow
 def test_two_hosts_in_network_namespaces_equal_two_processes_on_one_host(tmp_path, straight):
+    """The README's multi-node command as written (same on both nodes, the endpoint by hostname, no
+    --local-addr, no GLOO_SOCKET_IFNAME): it works where hostnames resolve to the nodes' own addresses."""
     run_dir = tmp_path / "run"
-    with _two_hosts() as hosts:
-        endpoint = f"{hosts[0][2]}:29531"
+    with _two_hosts() as (hosts, on_node):
         processes = []
-        for index, (namespace, device, address) in enumerate(hosts):
-            # the hosts share this machine's hostname, so tell the first one it serves the rendezvous store
-            launcher = ["ip", "netns", "exec", namespace, "env", f"GLOO_SOCKET_IFNAME={device}", sys.executable, "-m",
-                        "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-hosts", f"--rdzv-conf=is_host={int(index == 0)}",
-                        f"--local-addr={address}"]
+        for index in range(2):
+            launcher = [*on_node(index), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                        "--nproc_per_node", "1", "--max-restarts", "0", "--rdzv-backend", "c10d", "--rdzv-id",
+                        "two-hosts", "--rdzv-endpoint", f"{hosts[0][1]}:29531"]
             processes.append(subprocess.Popen(_train_command(run_dir, "data.num_workers=1", launcher=launcher),
-                                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              text=True))
+                                              cwd=ROOT, env=_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outputs = _succeed_all(processes)
     assert any("DDP over 2 processes" in stderr for stderr in outputs)
     _assert_same_losses(_losses(run_dir), straight["two"], tolerance=1e-6)
