@@ -13,6 +13,7 @@ import data
 from data.images import ImageFormat, display_rgb, read_image, read_stored_image
 from data.masks import BadSampleError
 from engine.config import DataConfig
+from tests.data.conftest import make_image_folder
 
 TWELVE_BIT = ImageFormat(channels=1, max_value=4095)
 
@@ -102,17 +103,9 @@ def test_display_rgb_scales_to_8_bits_and_leaves_8_bit_rgb_alone():
     assert display_rgb(five, 255).tolist() == [[[0, 50, 100]]]
 
 
-def _folder(root, images: list[np.ndarray], writer) -> None:
-    (root / "images").mkdir(parents=True)
-    (root / "masks").mkdir()
-    for index, image in enumerate(images):
-        writer(root / "images" / f"{index}", image)
-        Image.fromarray(np.full(image.shape[:2], index % 2, np.uint8), mode="L").save(root / "masks" / f"{index}.png")
-
-
 def test_a_folder_dataset_of_16_bit_tiffs_yields_uint16_tensors_of_the_configured_channels(tmp_path):
     images = [_twelve_bit(seed=seed) for seed in range(3)]
-    _folder(tmp_path, images, lambda stem, image: tifffile.imwrite(f"{stem}.tif", image))
+    make_image_folder(tmp_path, images, suffix=".tif")
     cfg = DataConfig(dataset="folder", root=str(tmp_path), num_classes=2, in_channels=1, max_value=4095,
                      mean=(0.5,), std=(0.25,), crop_size=(16, 16))
     evaluation = data.build_dataset(cfg, "all", train=False)
