@@ -6,7 +6,6 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-import tifffile
 from PIL import Image
 
 from data.base import palette_image
@@ -29,6 +28,8 @@ def write_image(path: Path, image: np.ndarray) -> None:
     samples), .png through cv2 (colour in RGB(A) order, as readers return it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".tif":
+        import tifffile  # here: every data test loads this file, and only these tests need tifffile
+
         tifffile.imwrite(path, image, photometric="minisblack", planarconfig="contig" if image.ndim == 3 else None)
         return
     if image.ndim == 3 and image.shape[2] in (3, 4):

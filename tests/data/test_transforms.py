@@ -249,3 +249,14 @@ def test_geometry_moves_every_channel_as_it_moves_an_rgb_image(channels, dtype):
                 # cv2's linear interpolation rounds its many-channel and 3-channel paths differently
                 difference = (out_image[first].to(torch.int32) - rgb_image[0].to(torch.int32)).abs()
                 assert difference.max() <= 1 and torch.equal(out_mask, rgb_mask)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_16_bit_batches_travel_pinned_to_the_gpu_and_normalize_there_as_on_the_cpu():
+    images = torch.randint(0, 65536, (2, 5, 9, 11), dtype=torch.int32).to(torch.uint16)
+    mean, std = (0.5,) * 5, (0.25,) * 5
+    on_gpu = images.pin_memory().to("cuda", non_blocking=True)
+    assert on_gpu.dtype == torch.uint16
+    torch.testing.assert_close(normalize_batch(on_gpu, mean, std, max_value=65535).cpu(),
+                               normalize_batch(images, mean, std, max_value=65535), rtol=0, atol=1e-6)
