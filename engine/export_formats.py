@@ -1,12 +1,13 @@
 """Export a trained model for deployment (ONNX, TorchScript, torch.export) or release (safetensors),
 and check the result against PyTorch.
 
-The exported module takes normalized float32 images N x C x H x W, C = data.in_channels
+The exported module takes normalized float32 images N x data.in_channels x H x W
 (data.transforms.normalize_batch: x / data.max_value, then (x - data.mean) / data.std of the checkpoint's
-config; the files carry the channel count, max_value, mean, std and the class names as metadata) and returns the logits N x C x H x W, a tensor (the model's own forward returns
-a dict). SynchronizedBatchNorm layers are reverted to nn.BatchNorm2d first (in eval mode the two
-compute the same), the auxiliary head is dropped (training only) and the channels-last conversion is
-left out (a layout choice of the running framework, not of the file).
+config; the files carry the channel count, max_value, mean, std and the class names as metadata) and returns
+the logits N x C x H x W, a tensor (the model's own forward returns a dict). SynchronizedBatchNorm layers are
+reverted to nn.BatchNorm2d first (in eval mode the two compute the same), the auxiliary head is dropped
+(training only) and the channels-last conversion is left out (a layout choice of the running framework, not of
+the file).
 
 Dynamic sizes: `onnx` (torch.onnx.export with dynamo=True) and `exported` (torch.export.export) take
 any batch, height and width the architecture allows (the minimum side, e.g. 17 px at output stride 16,

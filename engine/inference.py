@@ -1,8 +1,9 @@
 """Inference: whole image or sliding window, with multi-scale and flip test-time augmentation.
 
-`predict_batch(model, images, ...)` (uint8 or uint16) is the one entry point of validation, eval.py, the TensorBoard
-grid and predict.py: it normalizes (data.max_value, data.mean, data.std), autocasts (eval.amp) and predicts with the eval
-section's mode, window, stride, scales and flip. `predict` is the part that takes normalized images.
+`predict_batch(model, images, ...)` (uint8 or uint16 images) is the one entry point of validation, eval.py,
+the TensorBoard grid and predict.py: it normalizes (data.max_value, data.mean, data.std), autocasts (eval.amp)
+and predicts with the eval section's mode, window, stride, scales and flip. `predict` is the part that takes
+normalized images.
 
 All variants return logits at the input resolution; augmented passes are averaged as logits (not
 probabilities). A scale of exactly 1.0 does no resizing, so `scales=(1.0,)` is plain inference, and a
@@ -140,12 +141,12 @@ def predict_batch(model: nn.Module, images: torch.Tensor, *, num_classes: int, d
                   long_side: int = 0, output_size: tuple[int, int] | None = None) -> torch.Tensor:
     """Logits N x num_classes x H x W (float32) for uint8 / uint16 images N x C x H x W on the model's device.
 
-    Normalized with data_cfg.max_value, mean and std (data.transforms.normalize_batch), run under eval_cfg.amp's autocast
-    (engine.devices) by `predict` with eval_cfg's mode, window_size, stride, scales, flip and window_batch
-    (an engine.config.EvalConfig; its defaults are the schema's). `long_side` > 0 first resizes the image so
-    its long side is that many pixels (data.base_size for raw photos); the logits come back at
-    `output_size` (height, width; default: the input's size). The model is used as given (eval mode is the
-    caller's).
+    Normalized with data_cfg.max_value, mean and std (data.transforms.normalize_batch), run under
+    eval_cfg.amp's autocast (engine.devices) by `predict` with eval_cfg's mode, window_size, stride, scales,
+    flip and window_batch (an engine.config.EvalConfig; its defaults are the schema's). `long_side` > 0 first
+    resizes the image so its long side is that many pixels (data.base_size for raw photos); the logits come
+    back at `output_size` (height, width; default: the input's size). The model is used as given (eval mode is
+    the caller's).
     """
     height, width = images.shape[-2:]
     inputs = normalize_batch(images, data_cfg.mean, data_cfg.std, max_value=data_cfg.max_value)

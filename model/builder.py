@@ -193,8 +193,8 @@ def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]
     backbone's first convolution, for a model of other input channels (model/input_channels.py). Missing
     and left freshly initialized: `aux_classifier.*` when the file has none, and BatchNorm counters.
     Anything else that does not match (a missing, unexpected or mis-shaped tensor: another
-    architecture, backbone or head width) raises one ValueError before any tensor is loaded. A `module.` prefix on every key (a
-    DataParallel / DDP state dict) is stripped.
+    architecture, backbone or head width) raises one ValueError before any tensor is loaded. A `module.`
+    prefix on every key (a DataParallel / DDP state dict) is stripped.
     """
     model = unwrap_model(model)
     if state_dict and all(key.startswith("module.") for key in state_dict):

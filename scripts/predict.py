@@ -3,20 +3,20 @@
     python scripts/predict.py --checkpoint runs/voc/best.pt --input photo.jpg --output out/ --legend
     python scripts/predict.py --checkpoint runs/cityscapes/best.pt --input frames/ --output out/ --mode slide
 
-For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored
-with the dataset palette) and <output>/<name>_overlay.png (the photo with the color of each class
-blended in at --alpha; pixels of the class named "background" keep the photo's own colors); --legend
-also writes <output>/legend.png (color and name of each class). With a folder, images are found
-recursively and the subfolders are kept. Photos are turned upright by their EXIF orientation (as
-viewers show them; the masks match the upright image). Images are read in the checkpoint's format
-(data.in_channels, data.max_value: 16-bit, 1- or N-channel PNG and TIFF as stored; an image of
-another channel count or bit depth is skipped, naming both); the overlay of such an image is drawn
-on its first channel (grey) or first three, scaled to 8 bits. The image is predicted by engine.inference.predict_batch, as validation and
-eval.py predict (normalization, the checkpoint's eval.mode/scales/flip and eval.amp unless flags say otherwise); masks are at the original resolution (data.base_size > 0
-predicts at that long side, then resizes the logits back). An image whose long side is more than
-LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it are likely much larger than
-the model ever saw, so set data.base_size (or use --mode slide for a model trained on crops of such
-images).
+For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored with
+the dataset palette) and <output>/<name>_overlay.png (the photo with the color of each class blended in at
+--alpha; pixels of the class named "background" keep the photo's own colors); --legend also writes
+<output>/legend.png (color and name of each class). With a folder, images are found recursively and the
+subfolders are kept. Photos are turned upright by their EXIF orientation (as viewers show them; the masks
+match the upright image). Images are read in the checkpoint's format (data.in_channels, data.max_value:
+16-bit, 1- or N-channel PNG and TIFF as stored; an image of another channel count or bit depth is skipped,
+naming both); the overlay of such an image is drawn on its first channel (grey) or first three, scaled to 8
+bits. The image is predicted by engine.inference.predict_batch, as validation and eval.py predict
+(normalization, the checkpoint's eval.mode/scales/flip and eval.amp unless flags say otherwise); masks are at
+the original resolution (data.base_size > 0 predicts at that long side, then resizes the logits back). An
+image whose long side is more than LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it
+are likely much larger than the model ever saw, so set data.base_size (or use --mode slide for a model trained
+on crops of such images).
 
 An image of a folder that cannot be read is skipped with a warning naming it and the reason; the
 others are predicted, and the last line says how many (and which) failed. Exit status and error

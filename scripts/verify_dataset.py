@@ -140,7 +140,8 @@ def format_warning(stats: ChannelStats, data_cfg: Any) -> str | None:
     if stats.channels != data_cfg.in_channels:
         return f"the images have {stats.channels} channel(s) but {reads} expects {data_cfg.in_channels}"
     if largest > data_cfg.max_value:
-        return f"values up to {largest:g} exceed data.max_value={data_cfg.max_value}, the full scale they are divided by"
+        return (f"values up to {largest:g} exceed data.max_value={data_cfg.max_value}, the full scale they are "
+                "divided by")
     return None
 
 

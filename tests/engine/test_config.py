@@ -391,8 +391,8 @@ TWO_CLASS_FOLDER = ["data.dataset=folder", "data.num_classes=2"]
 
 
 def test_images_beyond_8_bit_rgb_are_folder_datasets_with_a_mean_and_std_per_channel():
-    config = load_config(None, [*TWO_CLASS_FOLDER, "data.in_channels=4", "data.max_value=4095", "data.mean=0.1,0.2,0.3,0.4",
-                                "data.std=0.5,0.5,0.5,0.5"])
+    config = load_config(None, [*TWO_CLASS_FOLDER, "data.in_channels=4", "data.max_value=4095",
+                                "data.mean=0.1,0.2,0.3,0.4", "data.std=0.5,0.5,0.5,0.5"])
     assert (config.data.in_channels, config.data.max_value, config.data.mean) == (4, 4095, (0.1, 0.2, 0.3, 0.4))
     assert from_dict(to_dict(config)).data == config.data
     with pytest.raises(ValueError, match=r"command line: data\.mean has 3 value\(s\) \(ImageNet's RGB values, the "
