@@ -1,6 +1,7 @@
 """Segmentation datasets (VOC, Cityscapes, ADE20K, synthetic, folder) and their albumentations pipelines.
 
-Every dataset yields (image: uint8 tensor 3xHxW, mask: int64 tensor HxW, `ignore_index` = unlabeled)
+Every dataset yields (image: uint8 tensor 3xHxW, mask: int64 tensor HxW, `ignore_index` = unlabeled;
+a folder dataset's images are data.in_channels x H x W, uint16 above data.max_value 255: data.images)
 and carries `classes`, `palette` (num_classes x 3 uint8), `num_classes`, `ignore_index` and
 `name_of(index)`. Normalization happens later, on the device, with `data.transforms.normalize_batch`.
 """
@@ -23,6 +24,7 @@ from data.base import (IGNORE_COLOR, BadSampleError, SegmentationDataset, bit_pa
                        palette_image, palette_table)
 from data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation  # noqa: E402
 from data.folder import FolderSegmentation  # noqa: E402
+from data.images import ImageFormat  # noqa: E402
 from data.masks import IGNORE  # noqa: E402
 from data.synthetic import DEFAULT_NUM_CLASSES, SyntheticShapes  # noqa: E402
 from data.transforms import PairTransform, build_eval_transform, build_train_transform, normalize_batch  # noqa: E402
@@ -62,7 +64,8 @@ def _folder(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
     return FolderSegmentation(data_cfg.root, split, num_classes=data_cfg.num_classes,
                               class_names=tuple(data_cfg.class_names), ignore_index=data_cfg.ignore_index,
                               transform=transform, skip_bad_samples=data_cfg.skip_bad_samples,
-                              reduce_zero_label=data_cfg.reduce_zero_label, **_mask_encoding(data_cfg))
+                              reduce_zero_label=data_cfg.reduce_zero_label, image_format=ImageFormat.of(data_cfg),
+                              **_mask_encoding(data_cfg))
 
 
 def _synthetic(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:

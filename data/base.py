@@ -1,6 +1,7 @@
 """File-backed segmentation datasets: decoding, validation, bad-sample policy, palettes.
 
-A sample on disk is an RGB image (any format cv2 reads) and a mask of the same size: a single-channel
+A sample on disk is an image (8-bit RGB in any format cv2 reads, or the data.in_channels /
+data.max_value format of data.images) and a mask of the same size: a single-channel
 index PNG (palette PNGs are read as indices, never as colors) or, with data.class_colors, a colour-coded
 one (data.masks reads both through one table). Each dataset subclass only lists its (image, mask) pairs
 and its class names; this module does the rest.
@@ -12,20 +13,18 @@ import os
 from pathlib import Path
 from typing import Callable, Sequence
 
-import cv2
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from data.images import ImageFormat, read_image, read_stored_image
 from data.masks import BadSampleError, LabelTarget, MaskDecoder, MaskSampleReport, inspect_masks, read_index_mask
 from data.transforms import IGNORE_INDEX, to_tensors
 
 logger = logging.getLogger(__name__)
 
 Transform = Callable[[np.ndarray, np.ndarray], tuple[torch.Tensor, torch.Tensor]]
-
-_IMAGE_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # masks ignore EXIF too
 
 
 def bit_palette(num_colors: int) -> np.ndarray:
@@ -70,31 +69,10 @@ def palette_image(mask: np.ndarray, palette: np.ndarray, *, ignore_index: int = 
     return image
 
 
-_JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
-_JPEG_TAIL = 4096  # where the end marker must be; tools append at most a little padding after it
-
-
-def read_image(path: str | os.PathLike, *, exif_orientation: bool = False) -> np.ndarray:
-    """HxWx3 uint8 RGB; BadSampleError naming the file if it is missing, not an image, or a JPEG cut
-    short (decoders fill the missing part in gray silently). Training data ignores the EXIF orientation,
-    like the masks drawn on the stored pixels; `exif_orientation=True` applies it (photos to predict:
-    a phone's portrait shot is stored sideways with an orientation tag)."""
-    try:
-        data = np.fromfile(os.fspath(path), dtype=np.uint8)
-    except OSError as error:
-        raise BadSampleError(f"cannot read image '{path}': {error.strerror or error}") from None
-    if data[:2].tobytes() == _JPEG_START and _JPEG_END not in data[-_JPEG_TAIL:].tobytes():
-        raise BadSampleError(f"image '{path}' is a truncated JPEG (no end marker: a partial download or copy?); "
-                             "replace the file")
-    flags = cv2.IMREAD_COLOR_RGB if exif_orientation else _IMAGE_READ_FLAGS
-    image = cv2.imdecode(data, flags) if data.size else None
-    if image is None:
-        raise BadSampleError(f"cannot read image '{path}' (empty, truncated or not an image)")
-    return image
-
-
 class SegmentationDataset(Dataset):
-    """(image, mask) file pairs -> (uint8 tensor 3xHxW, int64 tensor HxW with `ignore_index` = ignore).
+    """(image, mask) file pairs -> (image tensor CxHxW, int64 tensor HxW with `ignore_index` = ignore).
+
+    Images are read in `image_format` (data.images.ImageFormat: 8-bit RGB by default, uint8 3xHxW).
 
     Masks become labels through one data.masks.MaskDecoder: without `raw_table` the raw values
     0..num_classes-1 are the classes; with it (e.g. Cityscapes labelIds -> trainIds) raw values below
@@ -125,6 +103,7 @@ class SegmentationDataset(Dataset):
         reduce_zero_label: bool = False,
         class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = (),
         description: str = "dataset",
+        image_format: ImageFormat = ImageFormat(),
     ) -> None:
         self.classes = tuple(classes)
         self.palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)
@@ -136,6 +115,7 @@ class SegmentationDataset(Dataset):
         self.transform = transform
         self.skip_bad_samples = skip_bad_samples
         self.description = description
+        self.image_format = image_format
         self.num_skipped = 0
         self.masks = MaskDecoder(num_classes=len(self.classes), ignore_index=self.ignore_index,
                                  raw_ignore=self.raw_ignore, raw_table=raw_table, raw_table_ignore=raw_table_ignore,
@@ -181,13 +161,16 @@ class SegmentationDataset(Dataset):
             with Image.open(path) as image:
                 width, height = image.size
         except (OSError, SyntaxError) as error:
-            raise BadSampleError(f"cannot read image '{path}': {error}") from None
+            if self.image_format.is_rgb8:
+                raise BadSampleError(f"cannot read image '{path}': {error}") from None
+            return read_stored_image(path).shape[:2]  # e.g. a TIFF of more bands than Pillow reads
         return height, width
 
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Decoded, validated and label-mapped (image HxWx3 uint8 RGB, mask HxW uint8); raises BadSampleError."""
+        """Decoded, validated and label-mapped (image HxWxC in `image_format`, mask HxW uint8); raises
+        BadSampleError."""
         image_path, mask_path = self.samples[index]
-        image = read_image(image_path)
+        image = read_image(image_path, self.image_format)
         raw = self.masks.read_raw(mask_path)
         if image.shape[:2] != raw.shape:
             raise BadSampleError(

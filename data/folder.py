@@ -1,7 +1,8 @@
 """A generic dataset for custom data: images/ and masks/ folders paired by file stem.
 
 Layout under `root`:
-    images/<name>.{jpg,jpeg,png,bmp,tif,tiff,webp}
+    images/<name>.{jpg,jpeg,png,bmp,tif,tiff,webp}   8-bit RGB, or 1 / N channels, 8 / 16 bits as
+                                        data.in_channels and data.max_value say (data.images)
     masks/<name>.png                    single-channel index PNGs (palette or grayscale); the value
                                         data.ignore_index (default 255) marks unlabeled pixels; other
                                         values through data.label_map / data.reduce_zero_label, colour
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
+from data.images import ImageFormat
 from data.transforms import IGNORE_INDEX
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -31,7 +33,7 @@ def _images_by_stem(folder: Path) -> dict[str, Path]:
 
 class FolderSegmentation(SegmentationDataset):
     """Custom data: `num_classes` classes (1..255, with `class_names` of that length when given; the
-    config checks both), names from `class_names` or class_0, class_1, ..."""
+    config checks both), names from `class_names` or class_0, class_1, ...; images in `image_format`."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class FolderSegmentation(SegmentationDataset):
         label_map: Sequence[tuple[int, LabelTarget]] = (),
         reduce_zero_label: bool = False,
         class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = (),
+        image_format: ImageFormat = ImageFormat(),
     ) -> None:
         if not str(root):
             raise FileNotFoundError(f"data.root is empty for dataset 'folder'; {LAYOUT}")
@@ -88,4 +91,5 @@ class FolderSegmentation(SegmentationDataset):
             reduce_zero_label=reduce_zero_label,
             class_colors=class_colors,
             description=f"folder {split} ({self.root})",
+            image_format=image_format,
         )

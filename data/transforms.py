@@ -1,8 +1,10 @@
 """Albumentations pipelines for (image, mask) pairs and the one device-side normalization.
 
-Images stay uint8 from decoding to the training device: the host does geometry only, and
-`normalize_batch` turns a uint8 batch into float32 on whatever device it lives on. Training,
-evaluation and prediction all call `normalize_batch`, so mean/std live in one place.
+Images stay integers (uint8, or uint16 for 16-bit data: data.images) from decoding to the training
+device: the host does geometry only, and `normalize_batch` turns a batch into float32 on whatever
+device it lives on. Training, evaluation and prediction all call `normalize_batch`, so data.max_value,
+mean and std live in one place. The geometry works on any channel count; the photometric steps are
+for 8-bit RGB (engine.config refuses data.photometric for other images).
 
 Randomness: `PairTransform` draws one seed per sample from torch's global generator and seeds the
 albumentations pipeline with it. Inside DataLoader workers torch seeds that generator per worker
@@ -20,11 +22,13 @@ import numpy as np
 import torch
 from albumentations.core.transforms_interface import DualTransform
 
+from data.images import MAX_8BIT
+
 logger = logging.getLogger(__name__)
 
 # The defaults of data.ignore_index, data.mean and data.std (engine/config/schema.py reads them from here).
 IGNORE_INDEX = 255
-IMAGENET_MEAN = (0.485, 0.456, 0.406)  # 0-1 units, RGB
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # 0-1 units (x / data.max_value), RGB
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
@@ -88,6 +92,8 @@ class RandomScaleCrop(DualTransform):
         src_right = min(width, int(np.ceil((left + visible_w) / scale)) + 1)
         window = array[src_top:src_bottom, src_left:src_right]  # cv2 reads the strided view as it is
         resized = cv2.resize(window, (0, 0), fx=scale, fy=scale, interpolation=interpolation)
+        if resized.ndim < array.ndim:  # cv2 returns a one-channel image as H x W
+            resized = resized[..., None]
         offset_y, offset_x = top - round(src_top * scale), left - round(src_left * scale)
         piece = resized[offset_y:offset_y + visible_h, offset_x:offset_x + visible_w]
         piece_h, piece_w = piece.shape[:2]
@@ -127,7 +133,8 @@ def build_train_augmentation(
     -> random crop -> flip.
 
     The first three steps are one RandomScaleCrop (resizes only what lands in the crop). Geometric ops use cv2 interpolation (linear for the image, nearest for the mask). Optional
-    photometric jitter and blur touch the image only. Output arrays stay uint8.
+    photometric jitter and blur touch the image only (8-bit RGB). Output arrays keep the input's type and
+    channels.
     """
     low, high = float(scale_range[0]), float(scale_range[1])
     steps: list[Any] = [RandomScaleCrop(crop_size, (low, high), fill=0, fill_mask=ignore_index)]
@@ -155,7 +162,8 @@ def build_eval_augmentation(base_size: int = 0) -> A.Compose | None:
 
 
 class PairTransform:
-    """Callable (image HxWx3 uint8 RGB, mask HxW uint8/int) -> (uint8 tensor 3xHxW, int64 tensor HxW).
+    """Callable (image HxWxC uint8 / uint16, mask HxW uint8/int) -> (tensor CxHxW of the image's type,
+    int64 tensor HxW).
 
     `augmentation` None means no geometry change (tensor conversion only).
     """
@@ -195,10 +203,15 @@ def build_eval_transform(data_cfg: Any) -> PairTransform:
     return PairTransform(build_eval_augmentation(int(data_cfg.base_size)), random=False)
 
 
+_IMAGE_TYPES = (np.uint8, np.uint16)
+_BATCH_TYPES = (torch.uint8, torch.uint16)
+
+
 def to_tensors(image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """HxWx3 uint8 -> 3xHxW uint8 tensor (a strided view; collation makes it contiguous), mask -> int64."""
-    if image.dtype != np.uint8:
-        raise ValueError(f"expected a uint8 image, got {image.dtype}")
+    """HxWxC uint8 / uint16 -> CxHxW tensor of that type (a strided view; collation makes it contiguous),
+    mask -> int64."""
+    if image.dtype not in _IMAGE_TYPES:
+        raise ValueError(f"expected a uint8 or uint16 image, got {image.dtype}")
     image = np.ascontiguousarray(image)  # copies only for negative/odd strides
     if not image.flags.writeable:
         image = image.copy()
@@ -208,16 +221,17 @@ def to_tensors(image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch
 
 
 def normalize_batch(
-    images: torch.Tensor, mean: Sequence[float], std: Sequence[float]
+    images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, max_value: float = MAX_8BIT
 ) -> torch.Tensor:
-    """uint8 N x 3 x H x W (any device) -> float32 ((x / 255 - mean) / std), mean/std in 0-1 units
-    (data.mean / data.std, by default IMAGENET_MEAN / IMAGENET_STD; std > 0 is the config's check).
+    """uint8 / uint16 N x C x H x W (any device) -> float32 ((x / max_value - mean) / std): mean/std per
+    channel in units of the full scale `max_value` (data.max_value, data.mean, data.std; by default 255
+    and IMAGENET_MEAN / IMAGENET_STD; std > 0 is the config's check).
 
-    Raises ValueError for a non-uint8 tensor (normalizing twice is a silent accuracy bug) or a shape
-    that is not N x C x H x W with C == len(mean) == len(std).
+    Raises ValueError for a float tensor (normalizing twice is a silent accuracy bug) or a shape that
+    is not N x C x H x W with C == len(mean) == len(std).
     """
-    if images.dtype != torch.uint8:
-        raise ValueError(f"normalize_batch expects a uint8 image batch, got dtype {images.dtype}")
+    if images.dtype not in _BATCH_TYPES:
+        raise ValueError(f"normalize_batch expects a uint8 or uint16 image batch, got dtype {images.dtype}")
     if images.dim() != 4:
         raise ValueError(f"normalize_batch expects N x C x H x W, got shape {tuple(images.shape)}")
     channels = images.shape[1]
@@ -228,7 +242,7 @@ def normalize_batch(
         )
     mean64 = torch.tensor(mean, dtype=torch.float64)
     std64 = torch.tensor(std, dtype=torch.float64)
-    # One fused multiply-add: x * (1 / (255 std)) - mean / std, constants computed in float64.
-    scale = (1.0 / (255.0 * std64)).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
+    # One fused multiply-add: x * (1 / (max_value std)) - mean / std, constants computed in float64.
+    scale = (1.0 / (float(max_value) * std64)).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
     shift = (mean64 / std64).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
     return torch.addcmul(-shift, images.to(torch.float32), scale)

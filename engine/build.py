@@ -83,7 +83,7 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
         check_masks_at_start(dataset)  # a bounded sample of masks: a bad encoding fails now, not mid-run
     check_batching(val_set, config.eval.batch_size, key="eval.batch_size")  # fail now, not at validation
     classes = tuple(train_set.classes)
-    model = build_model(config.model, len(classes))  # channels_last is build_model's
+    model = build_model(config.model, len(classes), in_channels=data_cfg.in_channels)  # channels_last is build_model's
     if config.model.init_checkpoint and init_weights:
         init_from_weights(model, config.model.init_checkpoint, model_cfg=config.model)
     model.to(device)

@@ -354,7 +354,7 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
     source = f"checkpoint '{path}'"
     config = inference_config(payload["config"], overrides, source=source, flags=flags)
     classes = [str(name) for name in payload["classes"]]
-    model = build_model(config.model, len(classes))
+    model = build_model(config.model, len(classes), in_channels=config.data.in_channels)
     load_model_weights(model, payload.pop("model"), checkpoint=path,
                        saved_model_cfg=from_dict(payload["config"], source=source).model, model_cfg=config.model)
     model.to(device).eval()

@@ -1,7 +1,7 @@
 """evaluate(): the one evaluation loop, used by train.py's validation and by eval.py, and its loader
 (build_eval_loader over a ShardSampler).
 
-The loader yields (uint8 images N x 3 x H x W, int64 masks N x H x W); images are normalized on the
+The loader yields (images N x C x H x W, uint8 or uint16, int64 masks N x H x W); images are normalized on the
 device and predicted by engine.inference.predict_batch (as eval.py, predict.py and the grid do), counted in
 one ConfusionMatrix on the device. Under torch.distributed each process evaluates a disjoint shard
 (ShardSampler, which never pads, unlike torch's DistributedSampler) and the matrices

@@ -1,12 +1,13 @@
 """Export a trained model for deployment (ONNX, TorchScript, torch.export) or release (safetensors),
 and check the result against PyTorch.
 
-The exported module takes normalized float32 images N x 3 x H x W (data.transforms.normalize_batch:
-x / 255, then (x - data.mean) / data.std of the checkpoint's config; the files carry mean, std and the
-class names as metadata) and returns the logits N x C x H x W, a tensor (the model's own forward returns
-a dict). SynchronizedBatchNorm layers are reverted to nn.BatchNorm2d first (in eval mode the two
-compute the same), the auxiliary head is dropped (training only) and the channels-last conversion is
-left out (a layout choice of the running framework, not of the file).
+The exported module takes normalized float32 images N x data.in_channels x H x W
+(data.transforms.normalize_batch: x / data.max_value, then (x - data.mean) / data.std of the checkpoint's
+config; the files carry the channel count, max_value, mean, std and the class names as metadata) and returns
+the logits N x C x H x W, a tensor (the model's own forward returns a dict). SynchronizedBatchNorm layers are
+reverted to nn.BatchNorm2d first (in eval mode the two compute the same), the auxiliary head is dropped
+(training only) and the channels-last conversion is left out (a layout choice of the running framework, not of
+the file).
 
 Dynamic sizes: `onnx` (torch.onnx.export with dynamo=True) and `exported` (torch.export.export) take
 any batch, height and width the architecture allows (the minimum side, e.g. 17 px at output stride 16,
@@ -71,12 +72,13 @@ def export_ready(model: nn.Module) -> LogitsModel:
     return LogitsModel(model.to(memory_format=torch.contiguous_format)).cpu().eval()
 
 
-def sample_inputs(height: int, width: int, *, seed: int = 0) -> list[torch.Tensor]:
-    """Random normalized inputs: the export sample (batch 2 at height x width: torch.export would fix a
-    batch of 1 as a constant) and a check at batch 1 and another size, for the dynamic dimensions."""
+def sample_inputs(height: int, width: int, *, channels: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random normalized inputs of `channels` channels (data.in_channels): the export sample (batch 2 at
+    height x width: torch.export would fix a batch of 1 as a constant) and a check at batch 1 and another
+    size, for the dynamic dimensions."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, 3, height, width, generator=generator),
-            torch.randn(1, 3, height - height // 4, width + width // 4, generator=generator)]
+    return [torch.randn(2, channels, height, width, generator=generator),
+            torch.randn(1, channels, height - height // 4, width + width // 4, generator=generator)]
 
 
 def _dynamic_shapes() -> dict[str, dict[int, Any]]:
@@ -217,9 +219,13 @@ def check_against_pytorch(module: nn.Module, run: Callable[[torch.Tensor], np.nd
 
 def export_metadata(*, classes: Sequence[str], config: Any, checkpoint: Path, iteration: Any) -> dict[str, Any]:
     """What a deployment needs to feed the model and read its output."""
+    data = config.data
+    order = "RGB" if data.in_channels == 3 else "the files' channel order (RGB(A) first in colour files)"
     return {
         "producer": "syncseg",
-        "input": f"{INPUT_NAME}: float32 N x 3 x H x W, RGB, x / 255 then (x - mean) / std",
+        "input": f"{INPUT_NAME}: float32 N x {data.in_channels} x H x W, {order}, x / max_value then (x - mean) / std",
+        "in_channels": data.in_channels,
+        "max_value": data.max_value,
         "output": f"{OUTPUT_NAME}: float32 N x C x H x W, argmax over C is the class index",
         "mean": list(config.data.mean),
         "std": list(config.data.std),

@@ -1,8 +1,9 @@
 """Inference: whole image or sliding window, with multi-scale and flip test-time augmentation.
 
-`predict_batch(model, images_uint8, ...)` is the one entry point of validation, eval.py, the TensorBoard
-grid and predict.py: it normalizes (data.mean / data.std), autocasts (eval.amp) and predicts with the eval
-section's mode, window, stride, scales and flip. `predict` is the part that takes normalized images.
+`predict_batch(model, images, ...)` (uint8 or uint16 images) is the one entry point of validation, eval.py,
+the TensorBoard grid and predict.py: it normalizes (data.max_value, data.mean, data.std), autocasts (eval.amp)
+and predicts with the eval section's mode, window, stride, scales and flip. `predict` is the part that takes
+normalized images.
 
 All variants return logits at the input resolution; augmented passes are averaged as logits (not
 probabilities). A scale of exactly 1.0 does no resizing, so `scales=(1.0,)` is plain inference, and a
@@ -86,7 +87,7 @@ def predict(
     flip: bool,
     window_batch: int,
 ) -> torch.Tensor:
-    """Logits N x num_classes x H x W (float32) for normalized float images N x 3 x H x W.
+    """Logits N x num_classes x H x W (float32) for normalized float images N x C x H x W.
 
     mode "whole" runs the model on the full image; "slide" on windows of `window_size` (height, width;
     one integer: a square) every `stride` pixels (likewise per axis, <= the window), overlapping logits
@@ -138,17 +139,17 @@ def eval_settings(eval_cfg: Any) -> dict[str, Any]:
 @torch.no_grad()
 def predict_batch(model: nn.Module, images: torch.Tensor, *, num_classes: int, data_cfg: Any, eval_cfg: Any,
                   long_side: int = 0, output_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """Logits N x num_classes x H x W (float32) for uint8 images N x 3 x H x W on the model's device.
+    """Logits N x num_classes x H x W (float32) for uint8 / uint16 images N x C x H x W on the model's device.
 
-    Normalized with data_cfg.mean / std (data.transforms.normalize_batch), run under eval_cfg.amp's autocast
-    (engine.devices) by `predict` with eval_cfg's mode, window_size, stride, scales, flip and window_batch
-    (an engine.config.EvalConfig; its defaults are the schema's). `long_side` > 0 first resizes the image so
-    its long side is that many pixels (data.base_size for raw photos); the logits come back at
-    `output_size` (height, width; default: the input's size). The model is used as given (eval mode is the
-    caller's).
+    Normalized with data_cfg.max_value, mean and std (data.transforms.normalize_batch), run under
+    eval_cfg.amp's autocast (engine.devices) by `predict` with eval_cfg's mode, window_size, stride, scales,
+    flip and window_batch (an engine.config.EvalConfig; its defaults are the schema's). `long_side` > 0 first
+    resizes the image so its long side is that many pixels (data.base_size for raw photos); the logits come
+    back at `output_size` (height, width; default: the input's size). The model is used as given (eval mode is
+    the caller's).
     """
     height, width = images.shape[-2:]
-    inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
+    inputs = normalize_batch(images, data_cfg.mean, data_cfg.std, max_value=data_cfg.max_value)
     if long_side > 0 and max(height, width) != long_side:
         scale = long_side / max(height, width)
         size = (max(1, round(height * scale)), max(1, round(width * scale)))

@@ -76,7 +76,7 @@ def recompute_batch_norm_statistics(model: nn.Module, train_model: nn.Module, lo
             if is_dist():
                 all_reduce_sum(global_images)
             with autocast_for(device, precision):
-                train_model(normalize_batch(images, data_cfg.mean, data_cfg.std))
+                train_model(normalize_batch(images, data_cfg.mean, data_cfg.std, max_value=data_cfg.max_value))
             for index, layer in enumerate(layers):
                 elements = int(global_images.item()) * sizes[layer]
                 mean, var = layer.running_mean.double(), layer.running_var.double()

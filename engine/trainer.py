@@ -175,7 +175,7 @@ class Trainer:
         return result
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step on train.accumulate (uint8 images, masks) micro-batches (engine.accumulation);
+        """One optimizer step on train.accumulate (integer images, masks) micro-batches (engine.accumulation);
         returns the detached loss share of this process (the sum over processes is the global batch's loss)."""
         parts, data_cfg = self.parts, self.config.data
         micro_batches = [(images.to(self.device, non_blocking=True), masks.to(self.device, non_blocking=True))
@@ -186,7 +186,8 @@ class Trainer:
         for index, (images, masks) in enumerate(micro_batches):
             with gradient_sync(parts.train_model, last=index == len(micro_batches) - 1):
                 with autocast_for(self.device, parts.precision):
-                    outputs = parts.forward_model(normalize_batch(images, data_cfg.mean, data_cfg.std))
+                    inputs = normalize_batch(images, data_cfg.mean, data_cfg.std, max_value=data_cfg.max_value)
+                    outputs = parts.forward_model(inputs)
                 loss = parts.criterion(outputs, masks, step_weight=normalizer)
                 # DDP averages gradients over processes; scaling by the world size makes that the sum of the
                 # processes' shares of the global loss.

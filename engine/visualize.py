@@ -17,6 +17,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from data import IGNORE_COLOR, palette_table
+from data.images import display_rgb
 from engine.atomic import write_atomically
 from engine.inference import predict_batch
 
@@ -116,7 +117,8 @@ def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int]
                     data_cfg: Any, eval_cfg: Any) -> np.ndarray:
     """image | truth | prediction, one row per dataset index, predicted as evaluation does
     (engine.inference.predict_batch with `eval_cfg`, in eval mode; the model's mode is restored), under
-    column titles and above a legend of the class colours and the ignore colour."""
+    column titles and above a legend of the class colours and the ignore colour. Images other than 8-bit
+    RGB are drawn by data.images.display_rgb."""
     palette = np.asarray(dataset.palette, dtype=np.uint8)
     ignore_index = int(getattr(dataset, "ignore_index", data_cfg.ignore_index))
     rows = []
@@ -128,7 +130,7 @@ def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int]
             logits = predict_batch(model, image.unsqueeze(0).to(device), num_classes=len(dataset.classes),
                                    data_cfg=data_cfg, eval_cfg=eval_cfg, output_size=tuple(mask.shape[-2:]))
             prediction = logits.argmax(1)[0].cpu().numpy()
-            rows.append([image.permute(1, 2, 0).numpy()] + [
+            rows.append([display_rgb(image.permute(1, 2, 0).numpy(), data_cfg.max_value)] + [
                 color_labels(labels, palette, ignore_index=ignore_index) for labels in (mask.numpy(), prediction)])
     finally:
         model.train(was_training)

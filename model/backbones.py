@@ -43,6 +43,7 @@ import torchvision
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
+from model.input_channels import RGB, adapt_input_channels
 from model.norm import NormLayer
 from model.timm_encoder import build_timm_backbone, timm_model_name
 
@@ -208,8 +209,10 @@ def backbone_names() -> tuple[str, ...]:
     return tuple(_CONSTRUCTORS)
 
 
-def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str = "none") -> nn.Module:
-    """A backbone by name with randomly initialized or pretrained weights.
+def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str = "none",
+                   in_channels: int = RGB) -> nn.Module:
+    """A backbone by name with randomly initialized or pretrained weights, for images of `in_channels`
+    channels (other than 3: the first convolution is adapted, model/input_channels.py).
 
     `name` and `output_stride` (8 or 16) are values the config validated; `timm:<name>` is a timm encoder
     (model/timm_encoder.py). pretrained: "none" (torchvision's random init), "imagenet" (torchvision's
@@ -217,6 +220,13 @@ def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pret
     or a path to a state dict. Raises ValueError for mismatching weights, FileNotFoundError for a
     missing weights file.
     """
+    backbone = _build_rgb_backbone(name, output_stride=output_stride, norm_layer=norm_layer, pretrained=pretrained)
+    adapt_input_channels(backbone, in_channels, name=name,
+                         weights="random" if pretrained in ("", "none") else f"pretrained: {pretrained}")
+    return backbone
+
+
+def _build_rgb_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str) -> nn.Module:
     timm_name = timm_model_name(name)
     if timm_name is not None:
         return build_timm_backbone(timm_name, output_stride=output_stride, norm_layer=norm_layer,

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from model.backbones import build_backbone
 from model.deeplab import DeepLab
 from model.heads import DeepLabV3Head, DeepLabV3PlusHead, FCNHead, aspp_rates_for
+from model.input_channels import RGB, describe_rule, first_convolution, rgb_filters_for
 from model.norm import NormLayer, norm_layers
 from model.sync_batchnorm import name_synchronized_layers
 
@@ -43,10 +44,12 @@ def _build_deeplabv3plus_head(backbone: nn.Module, num_classes: int, rates: tupl
 HEADS = {"deeplabv3": _build_deeplabv3_head, "deeplabv3plus": _build_deeplabv3plus_head}
 
 
-def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
-    """A DeepLab network for `model_cfg` (engine.config.ModelConfig) predicting `num_classes` classes.
+def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB) -> DeepLab:
+    """A DeepLab network for `model_cfg` (engine.config.ModelConfig) predicting `num_classes` classes from
+    images of `in_channels` channels (data.in_channels; other than 3 adapts the backbone's first
+    convolution: model/input_channels.py).
 
-    forward(x: normalized float N x 3 x H x W) -> {"out": logits N x num_classes x H x W} plus "aux" when
+    forward(x: normalized float N x in_channels x H x W) -> {"out": logits N x num_classes x H x W} plus "aux" when
     model_cfg.aux_loss. Pretrained backbone weights are loaded here (model_cfg.pretrained_backbone);
     model_cfg.init_checkpoint is left to the trainer (load_segmentation_weights). Raises ValueError for
     a class count that is not a positive integer, FileNotFoundError for missing weight files.
@@ -62,6 +65,7 @@ def build_model(model_cfg: Any, num_classes: int) -> DeepLab:
         output_stride=model_cfg.output_stride,
         norm_layer=backbone_norm,
         pretrained=str(model_cfg.pretrained_backbone or "none"),
+        in_channels=in_channels,
     )
     classifier = HEADS[arch](backbone, num_classes, rates, channels, head_norm, dropout=model_cfg.aspp_dropout)
     aux_classifier = FCNHead(backbone.aux_channels, num_classes, norm_layer=head_norm) if model_cfg.aux_loss else None
@@ -132,6 +136,7 @@ class LoadedWeights:
     missing: list[str]
     model_keys: list[str] = field(repr=False, default_factory=list)
     file_keys: list[str] = field(repr=False, default_factory=list)
+    adapted: str = ""  # the backbone's first convolution and the rule, when its RGB filters were adapted
 
     def summary(self) -> str:
         """One line naming every loaded, skipped and missing key (whole modules written as `module.*`,
@@ -142,6 +147,8 @@ class LoadedWeights:
             reasons.setdefault(reason, []).append(key)
         skipped = "; ".join(f"{_described(keys, self.file_keys)} ({reason})" for reason, keys in reasons.items())
         missing = _described(self.missing, self.model_keys) or "none"
+        if self.adapted:
+            loaded += f" ({self.adapted})"
         return (f"loaded {len(self.loaded)} of the model's {len(self.model_keys)} tensors: {loaded}; "
                 f"skipped {len(self.skipped)} of the file's {len(self.file_keys)}: {skipped or 'none'}; "
                 f"not in the file (kept freshly initialized): {missing}")
@@ -182,11 +189,12 @@ def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]
 
     Skipped, with the reason: the final classifier convs (`classifier`, `aux_classifier`) whose shapes
     differ (the number of classes changed), `aux_classifier.*` when the model has none, and BatchNorm
-    counters (`num_batches_tracked`) a frozen BatchNorm does not keep. Missing and left freshly
-    initialized: `aux_classifier.*` when the file has none, and BatchNorm counters. Anything else that
-    does not match (a missing, unexpected or mis-shaped tensor: another architecture, backbone or
-    head width) raises one ValueError before any tensor is loaded. A `module.` prefix on every key (a
-    DataParallel / DDP state dict) is stripped.
+    counters (`num_batches_tracked`) a frozen BatchNorm does not keep. Adapted: the RGB filters of the
+    backbone's first convolution, for a model of other input channels (model/input_channels.py). Missing
+    and left freshly initialized: `aux_classifier.*` when the file has none, and BatchNorm counters.
+    Anything else that does not match (a missing, unexpected or mis-shaped tensor: another
+    architecture, backbone or head width) raises one ValueError before any tensor is loaded. A `module.`
+    prefix on every key (a DataParallel / DDP state dict) is stripped.
     """
     model = unwrap_model(model)
     if state_dict and all(key.startswith("module.") for key in state_dict):
@@ -194,9 +202,12 @@ def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]
     own = model.state_dict()
     logits_keys = _logits_keys(model)
     has_aux = getattr(model, "aux_classifier", None) is not None
-    loaded, skipped, mismatched, unexpected = [], {}, [], []
+    first_conv = f"backbone.{first_convolution(model.backbone)[0]}.weight"
+    loaded, skipped, mismatched, unexpected, adapted = [], {}, [], [], {}
     for key, value in state_dict.items():
-        if key in own and own[key].shape == value.shape:
+        if key == first_conv and key in own and value.ndim == 4 and value.shape[1] == RGB != own[key].shape[1]:
+            adapted[key] = rgb_filters_for(value, own[key].shape[1])  # an RGB model's filters, other channels
+        if key in own and own[key].shape == adapted.get(key, value).shape:
             loaded.append(key)
         elif key in own and key in logits_keys:
             skipped[key] = (f"{value.shape[0]} classes in the file, {own[key].shape[0]} in the model")
@@ -217,7 +228,9 @@ def load_segmentation_weights(model: nn.Module, state_dict: Mapping[str, Tensor]
             problems.append("the file looks like backbone (classification) weights: give it as "
                             "model.pretrained_backbone instead")
         raise ValueError("; ".join(problems))
-    result = model.load_state_dict({key: state_dict[key] for key in loaded}, strict=False)
+    result = model.load_state_dict({key: adapted.get(key, state_dict[key]) for key in loaded}, strict=False)
     assert not result.unexpected_keys and set(result.missing_keys) <= set(missing) | set(skipped), result
     return LoadedWeights(loaded=loaded, skipped=skipped, missing=missing, model_keys=list(own),
-                         file_keys=list(state_dict))
+                         file_keys=list(state_dict),
+                         adapted="".join(f"{key} from the file's RGB filters: {describe_rule(value.shape[1])}"
+                                         for key, value in adapted.items()))

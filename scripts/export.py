@@ -4,8 +4,9 @@
     python scripts/export.py --checkpoint runs/voc/best.pt --format exported --size 513,513 --output voc.pt2
     python scripts/export.py --checkpoint runs/voc/best.pt --format safetensors   (weights for a release)
 
-The model takes normalized float32 images N x 3 x H x W (x / 255, then (x - mean) / std with the
-checkpoint's data.mean / data.std; the file's metadata repeats them and the class names) and returns
+The model takes normalized float32 images N x C x H x W (C = the checkpoint's data.in_channels; x /
+data.max_value, then (x - mean) / std with its data.mean / data.std; the file's metadata repeats them
+and the class names) and returns
 the logits N x C x H x W. Batch, height and width are dynamic. After writing, the file is run on a
 random sample of --size and on a second size, and compared with PyTorch (ONNX through onnxruntime when
 it is installed).
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_inference_model(checkpoint, device=torch.device("cpu"), overrides=["model.channels_last=false"])
     module = export_ready(loaded.model)
     height, width = parse_size(args.size, loaded.config.data.crop_size)
-    inputs = sample_inputs(height, width)
+    inputs = sample_inputs(height, width, channels=loaded.config.data.in_channels)
     metadata = export_metadata(classes=loaded.classes, config=loaded.config, checkpoint=checkpoint,
                                iteration=loaded.iteration)
     with writing("export", output):

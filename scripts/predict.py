@@ -3,17 +3,20 @@
     python scripts/predict.py --checkpoint runs/voc/best.pt --input photo.jpg --output out/ --legend
     python scripts/predict.py --checkpoint runs/cityscapes/best.pt --input frames/ --output out/ --mode slide
 
-For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored
-with the dataset palette) and <output>/<name>_overlay.png (the photo with the color of each class
-blended in at --alpha; pixels of the class named "background" keep the photo's own colors); --legend
-also writes <output>/legend.png (color and name of each class). With a folder, images are found
-recursively and the subfolders are kept. Photos are turned upright by their EXIF orientation (as
-viewers show them; the masks match the upright image). The image is predicted by engine.inference.predict_batch, as validation and
-eval.py predict (normalization, the checkpoint's eval.mode/scales/flip and eval.amp unless flags say otherwise); masks are at the original resolution (data.base_size > 0
-predicts at that long side, then resizes the logits back). An image whose long side is more than
-LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it are likely much larger than
-the model ever saw, so set data.base_size (or use --mode slide for a model trained on crops of such
-images).
+For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored with
+the dataset palette) and <output>/<name>_overlay.png (the photo with the color of each class blended in at
+--alpha; pixels of the class named "background" keep the photo's own colors); --legend also writes
+<output>/legend.png (color and name of each class). With a folder, images are found recursively and the
+subfolders are kept. Photos are turned upright by their EXIF orientation (as viewers show them; the masks
+match the upright image). Images are read in the checkpoint's format (data.in_channels, data.max_value:
+16-bit, 1- or N-channel PNG and TIFF as stored; an image of another channel count or bit depth is skipped,
+naming both); the overlay of such an image is drawn on its first channel (grey) or first three, scaled to 8
+bits. The image is predicted by engine.inference.predict_batch, as validation and eval.py predict
+(normalization, the checkpoint's eval.mode/scales/flip and eval.amp unless flags say otherwise); masks are at
+the original resolution (data.base_size > 0 predicts at that long side, then resizes the logits back). An
+image whose long side is more than LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it
+are likely much larger than the model ever saw, so set data.base_size (or use --mode slide for a model trained
+on crops of such images).
 
 An image of a folder that cannot be read is skipped with a warning naming it and the reason; the
 others are predicted, and the last line says how many (and which) failed. Exit status and error
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> Outcome:
     import torch
 
     from data import BadSampleError, palette_image
-    from data.base import read_image
+    from data.images import ImageFormat, display_rgb, read_image
     from engine.checkpoint import load_inference_model
     from engine.cli import writing
     from engine.devices import inference_device
@@ -153,11 +156,12 @@ def run(args: argparse.Namespace) -> Outcome:
     base_size = config.data.base_size
     eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
     uncoloured = background_indices(classes)
+    image_format = ImageFormat.of(config.data)  # the checkpoint's data.in_channels and data.max_value
     outcome = Outcome(num_images=len(images))
     large = []
     for image_path, stem in images:
-        try:  # H x W x 3 uint8 RGB, upright as viewers show it
-            image = read_image(image_path, exif_orientation=True)
+        try:  # H x W x 3 uint8 RGB upright as viewers show it, or the checkpoint's channels and bit depth
+            image = read_image(image_path, image_format, exif_orientation=True)
         except BadSampleError as error:  # names the file and the reason
             if single_file:
                 raise
@@ -183,7 +187,8 @@ def run(args: argparse.Namespace) -> Outcome:
         target = output / stem  # save_png creates the folders
         with writing("masks and overlays under", output):
             save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
-            save_png(overlay(image, labels, palette, alpha=args.alpha, uncoloured=uncoloured),
+            save_png(overlay(display_rgb(image, image_format.max_value), labels, palette, alpha=args.alpha,
+                             uncoloured=uncoloured),
                      target.with_name(f"{target.name}_overlay.png"))
         present = ", ".join(classes[index] for index in np.unique(labels))
         logger.info("%s (%dx%d): %s", image_path, width, height, present)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from data import FIXED_NUM_CLASSES, IGNORE
+from data.images import MAX_16BIT, MAX_8BIT, MAX_CHANNELS, RGB_CHANNELS
 from data.masks import LabelTarget
 from data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
 from model.timm_encoder import TIMM_PREFIX
@@ -117,8 +118,13 @@ class DataConfig:
     label_map: LabelMap = ()  # raw mask value -> class index or ignore, over the dataset's own reading
     reduce_zero_label: bool = False  # folder: raw 0 is ignored and raw k is class k-1 (ADE-style masks)
     class_colors: ClassColors = ()  # colour-coded masks: RGB colour -> class index or ignore
-    mean: tuple[float, float, float] = IMAGENET_MEAN  # 0-1 units, applied on the device to uint8 images
-    std: tuple[float, float, float] = _limited(IMAGENET_STD, Limit(gt=0))
+    # images beyond 8-bit RGB (data/images.py; folder datasets): channels per pixel, and the value of full
+    # scale, which also says the bit depth: up to 255 the files are 8-bit, above it 16-bit (4095: 12-bit data)
+    in_channels: int = _limited(RGB_CHANNELS, Limit(ge=1, le=MAX_CHANNELS))
+    max_value: int = _limited(MAX_8BIT, Limit(ge=1, le=MAX_16BIT))
+    # one value per channel in units of the full scale, (x / max_value - mean) / std on the device
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = _limited(IMAGENET_STD, Limit(gt=0))
     # synthetic dataset
     synthetic_image_size: int = _limited(128, Limit(ge=16))  # smaller leaves shapes of a few pixels
     synthetic_train_size: int = _limited(2000, _POSITIVE)  # number of training images
@@ -302,6 +308,7 @@ def validate(config: Config, *, source: str = "config") -> None:
         raise ValueError(f"{source}: data.class_names has {len(data.class_names)} names but "
                          f"data.num_classes={data.num_classes}")
     _check_mask_encodings(data, source)
+    _check_image_format(data, source)
     _check_loss(train, source)
 
 
@@ -346,6 +353,23 @@ def _check_mask_encodings(data: DataConfig, source: str) -> None:
             raise ValueError(f"{source}: data.class_colors lists the colour {_colour(rgb)} twice")
         if target != IGNORE and not 0 <= target < num_classes:
             raise ValueError(f"{source}: data.class_colors maps {_colour(rgb)} to {target}; expected {expected}")
+
+
+def _check_image_format(data: DataConfig, source: str) -> None:
+    rgb8 = data.in_channels == RGB_CHANNELS and data.max_value <= MAX_8BIT
+    shown = f"data.in_channels={data.in_channels} and data.max_value={data.max_value}"
+    if not rgb8 and data.dataset != "folder":
+        raise ValueError(f"{source}: {shown}: images other than 8-bit RGB are read by dataset 'folder'; dataset "
+                         f"'{data.dataset}' has 8-bit RGB images (data.in_channels=3, data.max_value=255)")
+    if not rgb8 and data.photometric:
+        raise ValueError(f"{source}: data.photometric (colour jitter and blur) works on 8-bit RGB images, not on "
+                         f"these ({shown}); set data.photometric=false")
+    for key, values in (("data.mean", data.mean), ("data.std", data.std)):
+        if len(values) != data.in_channels:
+            default = " (ImageNet's RGB values, the default)" if values in (IMAGENET_MEAN, IMAGENET_STD) else ""
+            raise ValueError(f"{source}: {key} has {len(values)} value(s){default} but data.in_channels="
+                             f"{data.in_channels}; give one value per channel, in units of data.max_value "
+                             "(scripts/verify_dataset.py prints them)")
 
 
 def _check_loss(train: TrainConfig, source: str) -> None:

@@ -23,6 +23,33 @@ def write_rgb(path: Path, image: np.ndarray) -> None:
     assert cv2.imwrite(str(path), cv2.cvtColor(image, cv2.COLOR_RGB2BGR))
 
 
+def write_image(path: Path, image: np.ndarray) -> None:
+    """Save an H x W (x C) uint8 / uint16 image as its suffix says: .tif through tifffile (bands as
+    samples), .png through cv2 (colour in RGB(A) order, as readers return it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".tif":
+        import tifffile  # here: every data test loads this file, and only these tests need tifffile
+
+        tifffile.imwrite(path, image, photometric="minisblack", planarconfig="contig" if image.ndim == 3 else None)
+        return
+    if image.ndim == 3 and image.shape[2] in (3, 4):
+        image = image[..., [2, 1, 0, 3][: image.shape[2]]]  # cv2 writes BGR(A)
+    assert cv2.imwrite(str(path), image)
+
+
+def make_image_folder(root: Path, images: list[np.ndarray], *, suffix: str) -> list[np.ndarray]:
+    """A folder dataset: images/<i><suffix> and masks/<i>.png, class 1 where the image's first channel is
+    above its median; returns the masks."""
+    masks = []
+    for index, image in enumerate(images):
+        write_image(root / "images" / f"{index}{suffix}", image)
+        first = image if image.ndim == 2 else image[..., 0]
+        masks.append((first > np.median(first)).astype(np.uint8))
+        (root / "masks").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(masks[-1], mode="L").save(root / "masks" / f"{index}.png")
+    return masks
+
+
 def make_voc_tree(root: Path, *, train=("2007_000001", "2007_000002", "2007_000003"),
                   val=("2007_000010", "2007_000011"), aug=("2008_000100", "2007_000001")) -> dict:
     """A VOC2012 folder: JPEG images, palette-PNG masks (labels 0..20 plus a 255 border), split lists."""

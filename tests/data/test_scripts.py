@@ -122,3 +122,54 @@ def test_verify_dataset_flags_binary_and_grey_level_masks_with_the_config_that_r
     assert any("BAD: mask" in line and "g.png' has values [85, 170]" in line for line in out)
     assert any(line.startswith("  WARNING:") and line.endswith("(command line: data.label_map=85:1,170:2,255:3)")
                for line in out)
+
+
+def _printed_command_line(out: str) -> list[str]:
+    (line,) = [line for line in out.splitlines() if line.startswith("  command line: ")]
+    return line[len("  command line: "):].split()
+
+
+def test_verify_dataset_describes_16_bit_and_multi_band_images_and_prints_their_config(tmp_path, capsys):
+    """A 12-bit grey TIFF set read as 8-bit RGB is flagged, with the lines that read it: its channels,
+    full scale, and per-channel mean and std (numpy's, in units of the full scale); with them, no warning."""
+    from tests.data.conftest import make_image_folder
+
+    verify = _load_script("verify_dataset")
+    rng = np.random.default_rng(0)
+    grey = [rng.integers(100, 4000, (16, 20)).astype(np.uint16) for _ in range(3)]
+    grey[1][0, 0], grey[2][0, 0] = 4095, 100
+    make_image_folder(tmp_path / "grey", grey, suffix=".tif")
+    folder = ["data.dataset=folder", "data.train_split=all", "data.val_split=all", "data.num_classes=2"]
+    assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'grey'}"]) == 0
+    out = capsys.readouterr().out
+    assert "images as stored: 3 image(s) of 1 channel(s), 16-bit, values per channel 100..4095" in out
+    assert ("WARNING: the images are 16-bit (values up to 4095) but the config (data.in_channels=3, "
+            "data.max_value=255) reads them as 8-bit RGB, cut to their top 8 bits; use the config lines above") in out
+    values = np.stack(grey).astype(np.float64)
+    expected = ["data.in_channels=1", "data.max_value=4095", f"data.mean={round(values.mean() / 4095, 4):g}",
+                f"data.std={round(values.std() / 4095, 4):g}"]
+    printed = _printed_command_line(out)
+    assert printed == expected
+    assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'grey'}", *printed,
+                        "--output", str(tmp_path / "stats.json")]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+    (described,) = json.loads((tmp_path / "stats.json").read_text())["splits"]["all"]["image_formats"]
+    assert described["bits"] == 16 and described["value_range"] == [[100.0], [4095.0]]
+    assert described["mean_in_image_units"] == [round(values.mean(), 1)]
+
+    bands = [rng.integers(0, 256, (16, 20, 4), dtype=np.uint8) for _ in range(2)]
+    make_image_folder(tmp_path / "rgbn", bands, suffix=".png")
+    assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'rgbn'}"]) == 0
+    out = capsys.readouterr().out
+    assert "the config (data.in_channels=3, data.max_value=255) reads them as RGB (the 4th channel dropped)" in out
+    pixels = np.stack(bands).reshape(-1, 4).astype(np.float64)
+    assert _printed_command_line(out) == [
+        "data.in_channels=4", "data.max_value=255",
+        "data.mean=" + ",".join(f"{round(v / 255, 4):g}" for v in pixels.mean(0)),
+        "data.std=" + ",".join(f"{round(v / 255, 4):g}" for v in pixels.std(0))]
+    # read with 4 channels, a 3-channel image among them is a bad sample naming both counts
+    cv2_rgb = np.zeros((16, 20, 3), np.uint8)
+    Image.fromarray(cv2_rgb).save(tmp_path / "rgbn" / "images" / "1.png")
+    assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'rgbn'}",
+                        *_printed_command_line(out)]) == 1
+    assert "1.png' has 3 channel(s) but data.in_channels=4 expects 4" in capsys.readouterr().out

@@ -12,6 +12,7 @@ from data.transforms import (
     build_train_transform,
     normalize_batch,
 )
+from data.images import MAX_CHANNELS
 from engine.config import DataConfig
 from engine.seeding import worker_init
 
@@ -35,6 +36,18 @@ def test_normalize_batch_rejects_float_and_wrong_shapes():
         normalize_batch(torch.zeros(3, 4, 4, dtype=torch.uint8), MEAN, STD)
     with pytest.raises(ValueError, match="one value per channel"):
         normalize_batch(torch.zeros(1, 1, 4, 4, dtype=torch.uint8), MEAN, STD)
+
+
+def test_normalize_batch_divides_16_bit_images_by_max_value():
+    images = torch.randint(0, 4096, (2, 4, 5, 7), dtype=torch.int32)
+    images[0, 0, 0, 0] = 4095
+    mean, std = (0.5, 0.4, 0.3, 0.2), (0.25, 0.2, 0.15, 0.1)
+    out = normalize_batch(images.to(torch.uint16), mean, std, max_value=4095)
+    reference = (images.double() / 4095 - torch.tensor(mean, dtype=torch.float64).view(1, 4, 1, 1)) / torch.tensor(
+        std, dtype=torch.float64).view(1, 4, 1, 1)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=4e-6)
+    assert out[0, 0, 0, 0].item() == pytest.approx((1 - 0.5) / 0.25, abs=1e-6)  # 4095 is full scale
 
 
 def _run(transform, image, mask):
@@ -211,3 +224,39 @@ def test_square_crop_given_as_one_integer_or_as_a_pair_is_the_same_augmentation(
         outputs.append([_run(transform, image, mask) for _ in range(5)])
     for (image_a, mask_a), (image_b, mask_b) in zip(*outputs):
         assert np.array_equal(image_a, image_b) and np.array_equal(mask_a, mask_b)
+
+
+@pytest.mark.parametrize("channels", [1, 4, 5, 13, MAX_CHANNELS])
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_geometry_moves_every_channel_as_it_moves_an_rgb_image(channels, dtype):
+    """Random rescale, crop, flip (training) and the long-side resize (evaluation) on 1 to MAX_CHANNELS
+    channels (cv2's resize drops a single channel's axis and refuses more than 128): channel k of the
+    result is what the same seed does to an RGB image holding channel k (to the rounding of the last bit)."""
+    rng = np.random.default_rng(channels)
+    image = rng.integers(0, np.iinfo(dtype).max, (21, 27, channels), endpoint=True).astype(dtype)
+    mask = rng.integers(0, 3, (21, 27), dtype=np.uint8)
+    train = build_train_transform(DataConfig(crop_size=(16, 24), scale_range=(0.6, 1.8)))
+    evaluation = build_eval_transform(DataConfig(base_size=17))
+    for transform in (train, evaluation):
+        for seed in range(3):
+            torch.manual_seed(seed)
+            out_image, out_mask = transform(image, mask)
+            assert out_image.shape[0] == channels and out_image.dtype == torch.from_numpy(image).dtype
+            for first in sorted({0, channels // 2, channels - 1}):
+                torch.manual_seed(seed)
+                rgb_image, rgb_mask = transform(np.ascontiguousarray(np.repeat(image[..., first:first + 1], 3, 2)),
+                                                mask)
+                # cv2's linear interpolation rounds its many-channel and 3-channel paths differently
+                difference = (out_image[first].to(torch.int32) - rgb_image[0].to(torch.int32)).abs()
+                assert difference.max() <= 1 and torch.equal(out_mask, rgb_mask)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_16_bit_batches_travel_pinned_to_the_gpu_and_normalize_there_as_on_the_cpu():
+    images = torch.randint(0, 65536, (2, 5, 9, 11), dtype=torch.int32).to(torch.uint16)
+    mean, std = (0.5,) * 5, (0.25,) * 5
+    on_gpu = images.pin_memory().to("cuda", non_blocking=True)
+    assert on_gpu.dtype == torch.uint16
+    torch.testing.assert_close(normalize_batch(on_gpu, mean, std, max_value=65535).cpu(),
+                               normalize_batch(images, mean, std, max_value=65535), rtol=0, atol=1e-6)

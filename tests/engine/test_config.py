@@ -232,6 +232,9 @@ def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources(
     ("eval.scales=0.5,0", "eval.scales=0.5,0.0: every value must be > 0"),
     ("eval.scales=", "eval.scales is empty"),
     ("eval.batch_size=0", "eval.batch_size=0: must be >= 1"),
+    ("data.in_channels=0", "data.in_channels=0: must be >= 1 and <= 128"),
+    ("data.in_channels=129", "data.in_channels=129: must be >= 1 and <= 128"),
+    ("data.max_value=65536", "data.max_value=65536: must be >= 1 and <= 65535"),
 ])
 def test_every_invalid_value_names_key_value_and_expectation(override, message):
     with pytest.raises(ValueError) as error:
@@ -382,3 +385,30 @@ def test_mask_encodings_are_for_datasets_with_mask_files_and_check_fixed_class_c
         load_config(None, ["data.dataset=voc", "data.label_map=255:21"])
     assert load_config(None, ["data.dataset=cityscapes", "data.label_map=9:0"]).data.label_map == ((9, 0),)
     assert set(data.FIXED_NUM_CLASSES) == set(FIXED_CLASS_DATASETS)
+
+
+TWO_CLASS_FOLDER = ["data.dataset=folder", "data.num_classes=2"]
+
+
+def test_images_beyond_8_bit_rgb_are_folder_datasets_with_a_mean_and_std_per_channel():
+    config = load_config(None, [*TWO_CLASS_FOLDER, "data.in_channels=4", "data.max_value=4095",
+                                "data.mean=0.1,0.2,0.3,0.4", "data.std=0.5,0.5,0.5,0.5"])
+    assert (config.data.in_channels, config.data.max_value, config.data.mean) == (4, 4095, (0.1, 0.2, 0.3, 0.4))
+    assert from_dict(to_dict(config)).data == config.data
+    with pytest.raises(ValueError, match=r"command line: data\.mean has 3 value\(s\) \(ImageNet's RGB values, the "
+                                         r"default\) but data\.in_channels=1; give one value per channel, in units "
+                                         r"of data\.max_value \(scripts/verify_dataset\.py prints them\)"):
+        load_config(None, [*TWO_CLASS_FOLDER, "data.in_channels=1"])
+    with pytest.raises(ValueError, match=r"data\.std has 2 value\(s\) but data\.in_channels=1"):
+        load_config(None, [*TWO_CLASS_FOLDER, "data.in_channels=1", "data.mean=0.5", "data.std=0.2,0.2"])
+    with pytest.raises(ValueError, match="data.in_channels=1 and data.max_value=255: images other than 8-bit RGB are "
+                                         "read by dataset 'folder'; dataset 'synthetic' has 8-bit RGB images"):
+        load_config(None, ["data.in_channels=1", "data.mean=0.5", "data.std=0.2"])
+    with pytest.raises(ValueError, match="dataset 'voc' has 8-bit RGB images"):
+        load_config(None, ["data.dataset=voc", "data.max_value=4095"])
+    with pytest.raises(ValueError, match=r"data\.photometric \(colour jitter and blur\) works on 8-bit RGB images, not "
+                                         r"on these \(data\.in_channels=3 and data\.max_value=65535\); set "
+                                         r"data\.photometric=false"):
+        load_config(None, [*TWO_CLASS_FOLDER, "data.max_value=65535", "data.photometric=true"])
+    # 8-bit RGB of a smaller full scale stays every dataset's, photometric included
+    assert load_config(None, ["data.max_value=100", "data.photometric=true"]).data.max_value == 100

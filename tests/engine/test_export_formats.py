@@ -38,7 +38,7 @@ def tiny_module():
                 module.running_mean.uniform_(-0.2, 0.2)
                 module.running_var.uniform_(0.5, 1.5)
     reference = model.eval()
-    inputs = sample_inputs(32, 40)
+    inputs = sample_inputs(32, 40, channels=3)
     with torch.no_grad():
         expected = [reference(images)["out"].clone() for images in inputs]
     return export_ready(reference), inputs, expected

@@ -1,0 +1,169 @@
+"""Image files -> arrays: 8-bit RGB as photo datasets are read, and images beyond it (1, 3 or N channels,
+8 or 16 bits, PNG and TIFF) for data.in_channels / data.max_value.
+
+The config's `ImageFormat` chooses one of two readers:
+
+- 8-bit RGB (data.in_channels=3 and data.max_value <= 255, the default): cv2's IMREAD_COLOR_RGB, as
+  syncseg always read images: a grey image is tripled, an alpha channel dropped, a 16-bit file cut to 8 bits.
+- any other format: the file as stored (`read_stored_image`: cv2's IMREAD_UNCHANGED, tifffile for
+  TIFF, which holds any number of bands), and a file whose channel count or bit depth is not the
+  format's is a BadSampleError naming the file, what it holds and what the config expects.
+
+The bit depth follows data.max_value: up to 255 the images are 8-bit (uint8), above it 16-bit (uint16);
+batches keep that type to the device, where data.transforms.normalize_batch divides by data.max_value.
+cv2 decodes colour as BGR(A); 3- and 4-channel files come back in their stored RGB(A) order, so an
+RGB-NIR image saved as a 4-channel PNG is R, G, B, NIR.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+
+from data.masks import BadSampleError
+
+RGB_CHANNELS = 3  # data.in_channels' default
+MAX_CHANNELS = 128  # data.in_channels' limit: cv2 (resize, flip: the augmentations) refuses images of more
+MAX_8BIT, MAX_16BIT = 255, 65535  # data.max_value's default and its largest value
+
+_IMAGE_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # masks ignore EXIF too
+_JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
+_JPEG_TAIL = 4096  # where the end marker must be; tools append at most a little padding after it
+_TIFF_STARTS = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # classic and BigTIFF, both byte orders
+_SAMPLE_TYPES = (np.uint8, np.uint16)
+
+
+def image_dtype(max_value: int) -> type:
+    """The sample type images of full scale `max_value` (data.max_value) are read as: uint8 up to 255,
+    else uint16."""
+    return np.uint8 if max_value <= MAX_8BIT else np.uint16
+
+
+def _bits(dtype: np.dtype | type) -> int:
+    return 8 * np.dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class ImageFormat:
+    """What the config says the images are: `channels` (data.in_channels) and `max_value`
+    (data.max_value, whose size decides 8 or 16 bits)."""
+
+    channels: int = RGB_CHANNELS
+    max_value: int = MAX_8BIT
+
+    @classmethod
+    def of(cls, data_cfg: object) -> "ImageFormat":
+        """The format of a validated data config section."""
+        return cls(int(data_cfg.in_channels), int(data_cfg.max_value))  # type: ignore[attr-defined]
+
+    @property
+    def dtype(self) -> type:
+        return image_dtype(self.max_value)
+
+    @property
+    def is_rgb8(self) -> bool:
+        """The 8-bit RGB format every photo dataset uses (cv2's colour reader)."""
+        return self.channels == RGB_CHANNELS and self.dtype is np.uint8
+
+
+def _file_bytes(path: str | os.PathLike) -> np.ndarray:
+    try:
+        data = np.fromfile(os.fspath(path), dtype=np.uint8)
+    except OSError as error:
+        raise BadSampleError(f"cannot read image '{path}': {error.strerror or error}") from None
+    if data[:2].tobytes() == _JPEG_START and _JPEG_END not in data[-_JPEG_TAIL:].tobytes():
+        raise BadSampleError(f"image '{path}' is a truncated JPEG (no end marker: a partial download or copy?); "
+                             "replace the file")
+    return data
+
+
+def _tiff_bands_last(path: str | os.PathLike) -> np.ndarray:
+    """The first image of a TIFF as H x W x bands, whether its bands are samples (YXS), planes (SYX) or
+    pages (a band axis before YX)."""
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(os.fspath(path)) as tiff:
+            series = tiff.series[0]
+            array, axes = series.asarray(), series.axes
+    except Exception as error:  # tifffile raises its own types for corrupt or unsupported files
+        raise BadSampleError(f"cannot read TIFF image '{path}': {error}") from None
+    if array.ndim == 2:
+        return array[..., None]
+    if array.ndim == 3 and axes.endswith("YXS"):
+        return array
+    if array.ndim == 3 and axes.endswith("YX"):
+        return np.moveaxis(array, 0, -1)
+    raise BadSampleError(f"TIFF image '{path}' holds an array of shape {array.shape} (axes {axes}); expected one "
+                         "image: height x width, with its bands as samples (YXS), planes or pages (a band axis "
+                         "before YX)")
+
+
+def read_stored_image(path: str | os.PathLike) -> np.ndarray:
+    """H x W x C as the file stores it: C channels in RGB(A) order for colour files, uint8 or uint16.
+    BadSampleError naming the file when it is missing, not an image, or holds samples that are not 8- or
+    16-bit unsigned integers."""
+    data = _file_bytes(path)
+    if data[:4].tobytes() in _TIFF_STARTS:
+        image = _tiff_bands_last(path)
+    else:
+        image = cv2.imdecode(data, cv2.IMREAD_UNCHANGED) if data.size else None
+        if image is None:
+            raise BadSampleError(f"cannot read image '{path}' (empty, truncated or not an image)")
+        if image.ndim == 2:
+            image = image[..., None]
+        elif image.shape[2] in (3, 4):  # cv2's BGR(A) -> the file's RGB(A)
+            image = image[..., [2, 1, 0, 3][: image.shape[2]]]
+    if image.dtype not in _SAMPLE_TYPES:
+        raise BadSampleError(f"image '{path}' holds {image.dtype} samples; expected 8- or 16-bit unsigned integers "
+                             "(uint8 or uint16): convert it, scaling its values to that range")
+    return image
+
+
+def read_image(path: str | os.PathLike, image_format: ImageFormat = ImageFormat(), *,
+               exif_orientation: bool = False) -> np.ndarray:
+    """H x W x image_format.channels, uint8 or uint16 by image_format.max_value (see the module
+    docstring); BadSampleError naming the file if it is missing, not an image, a JPEG cut short
+    (decoders fill the missing part in grey silently), or of another channel count or bit depth.
+
+    8-bit RGB ignores the EXIF orientation for training data, like the masks drawn on the stored pixels;
+    `exif_orientation=True` applies it (photos to predict: a phone's portrait shot is stored sideways
+    with an orientation tag). Other formats are read as stored."""
+    if not image_format.is_rgb8:
+        image = read_stored_image(path)
+        _check_format(image, path, image_format)
+        return image
+    data = _file_bytes(path)
+    flags = cv2.IMREAD_COLOR_RGB if exif_orientation else _IMAGE_READ_FLAGS
+    image = cv2.imdecode(data, flags) if data.size else None
+    if image is None:
+        raise BadSampleError(f"cannot read image '{path}' (empty, truncated or not an image)")
+    return image
+
+
+def _check_format(image: np.ndarray, path: str | os.PathLike, image_format: ImageFormat) -> None:
+    expected = image_format.dtype
+    if image.dtype != expected:
+        fix = ("set data.max_value to their full scale, e.g. 4095 for 12-bit or 65535 for 16-bit values "
+               "(scripts/verify_dataset.py prints it)" if expected is np.uint8 else
+               "8-bit images take data.max_value <= 255")
+        raise BadSampleError(f"image '{path}' is {_bits(image.dtype)}-bit but data.max_value={image_format.max_value} "
+                             f"expects {_bits(expected)}-bit images; {fix}")
+    if image.shape[2] != image_format.channels:
+        raise BadSampleError(f"image '{path}' has {image.shape[2]} channel(s) but data.in_channels="
+                             f"{image_format.channels} expects {image_format.channels}; set data.in_channels to the "
+                             "images' channel count, or convert the image")
+
+
+def display_rgb(image: np.ndarray, max_value: int) -> np.ndarray:
+    """H x W x 3 uint8 to look at, from an H x W x C image of full scale `max_value`: 3 channels as they
+    are, 1 or 2 the first as grey, more than 3 the first three as RGB, values scaled to 0..255. An
+    8-bit RGB image of full scale 255 is returned as it is."""
+    channels = image.shape[2]
+    rgb = image if channels == 3 else image[..., :3] if channels > 3 else np.repeat(image[..., :1], 3, axis=2)
+    if rgb.dtype == np.uint8 and max_value == MAX_8BIT:
+        return rgb
+    scaled = rgb.astype(np.float32) * np.float32(MAX_8BIT / max_value)
+    return np.clip(np.rint(scaled), 0, MAX_8BIT).astype(np.uint8)
