@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = None  # the DDP wrapper must be gone before the process group (see cleanup)
         if plan is not None:
             plan.release()
+    if result is not None and result.reason == "signal":
+        # stopped and saved: a later SIGTERM must not cut the exit short (srun --kill-on-bad-exit sends one to
+        # the other tasks as soon as the first has exited, and would turn their exit 143 into "Terminated")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if code:
         if dist_info.is_main or code == 1:
             print_error("train.py", message)
