@@ -116,10 +116,6 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-TORCHRUN_FORM = ("srun torchrun --nnodes $SLURM_NNODES --nproc_per_node <GPUs per node> --rdzv_backend c10d "
-                 "--rdzv_endpoint $(hostname):29500 train.py ...")
-
-
 def detect_launch(environ: Mapping[str, str] = os.environ) -> Launch:
     """Read the launcher's environment: torchrun's WORLD_SIZE/RANK/LOCAL_RANK (and TORCHELASTIC_*), or,
     without them, the SLURM_* variables of a task that srun started (SLURM_STEP_ID is set: a plain
@@ -143,7 +139,8 @@ def detect_launch(environ: Mapping[str, str] = os.environ) -> Launch:
         address = environ.get("MASTER_ADDR") or (hosts[0] if hosts else "")
         if not address:
             raise ValueError(f"srun started {world_size} tasks but SLURM_NODELIST is not set, so there is no address "
-                             f"to meet at; set MASTER_ADDR, or launch with torchrun: {TORCHRUN_FORM}")
+                             "to meet at; set MASTER_ADDR to the first node's address, or run srun inside an allocation "
+                             "(sbatch scripts/slurm/train.sbatch), where Slurm sets SLURM_NODELIST")
         # a port of this job's own, so that two jobs sharing a node do not meet each other
         port = _int_variable(environ, "MASTER_PORT", 20000 + _int_variable(environ, "SLURM_JOB_ID", 0) % 20000)
         num_nodes = _int_variable(environ, "SLURM_STEP_NUM_NODES", _int_variable(environ, "SLURM_NNODES", len(hosts)))

@@ -152,11 +152,14 @@ def test_slurm_tasks_get_ranks_and_a_rendezvous_address_from_slurm():
     assert launch.init_method == "tcp://gpu07:23456"  # first node; a port of the job's own
     assert distributed.detect_launch({**environ, "MASTER_ADDR": "head", "MASTER_PORT": "29400"}).init_method == \
         "tcp://head:29400"
+    # srun without a node list: the hint is for srun (an address to meet at), not a torchrun command line
+    bare = {key: value for key, value in environ.items() if key not in ("SLURM_STEP_NODELIST",)}
+    with pytest.raises(ValueError, match="set MASTER_ADDR") as raised:
+        distributed.detect_launch(bare)
+    assert "torchrun" not in str(raised.value) and "srun started 4 tasks" in str(raised.value)
     # a python process in an sbatch script (no srun step) or a one-task step is one process
     assert distributed.detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}).launcher == "none"
     assert distributed.detect_launch({**environ, "SLURM_STEP_NUM_TASKS": "1"}).world_size == 1
-    with pytest.raises(ValueError, match="SLURM_NODELIST is not set.*srun torchrun"):
-        distributed.detect_launch({k: v for k, v in environ.items() if k != "SLURM_STEP_NODELIST"})
     # torchrun's variables win (srun torchrun ...)
     assert distributed.detect_launch({**environ, "WORLD_SIZE": "2", "RANK": "0",
                                       "TORCHELASTIC_RUN_ID": "x"}).launcher == "torchrun"
