@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gloo_workers import Branchy, _join
-from sync_batchnorm import SyncDivergenceError, SynchronizedBatchNorm2d, name_synchronized_layers
+from sync_batchnorm import SyncDivergenceError, SynchronizedBatchNorm2d, functions, name_synchronized_layers
+from sync_batchnorm.functions import reads_stall_the_device
 
 SPLITS = [3, 5]  # per rank: uneven on purpose
 STEPS = 3
@@ -71,7 +72,8 @@ def train(model: nn.Module, forward, rank: int) -> dict:
 
 def compile_worker(rank: int, port: int, out_dir: str) -> None:
     """The graph breaks Dynamo reports for Net; the same training eager and compiled (fullgraph=True); a rank
-    taking an extra branch in a compiled model."""
+    taking an extra branch in a compiled model, and one calling another layer where reading the labels would
+    wait for a device (checked at the layer's next call)."""
     _join(rank, port, 2)
     try:
         x, _ = global_batch(0)
@@ -89,6 +91,16 @@ def compile_worker(rank: int, port: int, out_dir: str) -> None:
             results["divergence"] = "no error"
         except SyncDivergenceError as error:
             results["divergence"] = str(error)
+        functions.reads_stall_the_device = lambda tensor: True  # as on CUDA
+        model = name_synchronized_layers(Branchy(extra_ranks=(1,)))
+        swapped = torch.compile(lambda x: (model.extra if rank == 1 else model.head)(model.stem(x)))
+        swapped(torch.randn(3, 4, 4, 4))  # diverges, unnoticed for now
+        try:
+            swapped(torch.randn(3, 4, 4, 4))
+            results["deferred"] = "no error"
+        except SyncDivergenceError as error:
+            results["deferred"] = str(error)
+        functions.reads_stall_the_device = reads_stall_the_device
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
