@@ -7,8 +7,8 @@ a layer (`torch.compiler.is_compiling()`), the layer runs this instead:
 * local (mean, M2) from `torch.var_mean` in the statistics dtype, normalization as plain tensor code, so
   autograd (and the compiler's backward) differentiates it all;
 * under torch.distributed, the same row as the eager path (count, mean, M2, layer key, call count; float64)
-  through `all_gather_single` of torch.distributed's functional collectives, which are graph ops with a
-  gradient (a reduce-scatter of the rows' gradients in the backward), merged with the eager path's Chan
+  through torch.distributed's functional collectives (`all_gather_single_autograd`: a graph op with a
+  gradient, a reduce-scatter of the rows' gradients in the backward), merged with the eager path's Chan
   formula (`functions._merge`);
 * the divergence label through two custom ops, opaque to the compiler and run at each call: `next_label`
   counts the call on the layer (the count the eager path keeps) and makes its (key, count) pair;
@@ -86,11 +86,12 @@ def _(rows: torch.Tensor, layer_id: int, local_count: int) -> torch.Tensor:
 
 
 def _all_gather(row: torch.Tensor, group) -> torch.Tensor:
-    """Every process's row, (processes, len(row)), differentiable (functional collectives, torch >= 2.11)."""
+    """Every process's row, (processes, len(row)), differentiable. Imported here: the functional collectives
+    cost 20 ms to import, which only a compiled layer needs to pay."""
     from torch.distributed import _functional_collectives
 
     gather = getattr(_functional_collectives, "all_gather_single_autograd", None)
-    if gather is None:  # before the rename (and before the plain op carried a gradient)
+    if gather is None:  # the older name (torch 2.14 keeps it, deprecated); untested here
         gather = _functional_collectives.all_gather_tensor_autograd
     return gather(row, 0, group).view(dist.get_world_size(group), row.numel())
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import sync_batchnorm
-from sync_batchnorm import SynchronizedBatchNorm2d, compiled, execute_replication_callbacks
+from sync_batchnorm import SynchronizedBatchNorm1d, SynchronizedBatchNorm2d, SynchronizedBatchNorm3d
+from sync_batchnorm import compiled, execute_replication_callbacks
 from sync_batchnorm.unittest import make_replicas
 
 from compile_workers import LEARNING_RATE, STEPS, build, compile_worker, global_batch, loss_share
@@ -73,13 +74,16 @@ def test_four_compiled_ranks_in_two_groups_equal_two_independent_eager_runs(tmp_
 
 
 @pytest.mark.slow
-def test_one_process_clamp_mode_compiles_without_a_graph_break_to_the_eager_values(eps_mode):
+@pytest.mark.parametrize("cls,shape", [(SynchronizedBatchNorm1d, (12, 5)), (SynchronizedBatchNorm2d, (4, 5, 3, 3)),
+                                       (SynchronizedBatchNorm3d, (2, 5, 2, 3, 3))])
+def test_one_process_clamp_mode_compiles_without_a_graph_break_to_the_eager_values(eps_mode, cls, shape):
     """On one device the 'clamp' eps mode is the synchronized path with nothing to exchange."""
     eps_mode("clamp")
-    eager = SynchronizedBatchNorm2d(5, eps=0.5)
+    eager = cls(5, eps=0.5)
     randomize_affine(eager)
     compiled_layer = copy.deepcopy(eager)
-    x = torch.randn(4, 5, 3, 3) * torch.tensor([0.1, 1, 2, 0.3, 3]).view(1, 5, 1, 1)  # some variances below eps
+    scales = torch.tensor([0.1, 1, 2, 0.3, 3]).view(1, 5, *[1] * (len(shape) - 2))  # some variances below eps
+    x = torch.randn(shape) * scales
     explained = torch._dynamo.explain(copy.deepcopy(eager))(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     outputs = []
