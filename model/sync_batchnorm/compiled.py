@@ -109,12 +109,14 @@ def _exchange(layer, group, count: int, mean: torch.Tensor, m2: torch.Tensor):
 @torch.library.custom_op(f"{_NAMESPACE}::refuse_thread_replicas", mutates_args=())
 def _refuse_thread_replicas(like: torch.Tensor, layer_id: int) -> torch.Tensor:
     """Raise when the graph runs, and abort the other replicas' waits. (An error raised while Dynamo traces
-    would only send the frame back to the eager path, silently.)"""
-    layer = _layer(layer_id)
-    error = RuntimeError(f"{type(layer).__name__}: DataParallelWithCallback's thread replicas cannot run under "
+    would only send the frame back to the eager path, silently.) torch's replicate() copies layers without
+    __init__, so a replica may not be registered: then there is nothing to abort through it."""
+    error = RuntimeError("synchronized BatchNorm: DataParallelWithCallback's thread replicas cannot run under "
                          "torch.compile (their rendezvous is between Python threads); compile one process per "
                          "device (torch.distributed) instead")
-    layer._abort_round(error)
+    layer = _LAYERS.get(layer_id)
+    if layer is not None:
+        layer._abort_round(error)
     raise error
 
 

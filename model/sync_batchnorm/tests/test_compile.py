@@ -119,8 +119,16 @@ def test_every_layer_copy_is_registered_for_the_compiled_path():
     assert key not in compiled._LAYERS
 
 
-def test_thread_replicas_under_torch_compile_raise_instead_of_waiting():
-    replicas = make_replicas(SynchronizedBatchNorm2d(3), 2)
+@pytest.mark.parametrize("copies", ["deepcopy", "torch's replicate"])
+def test_thread_replicas_under_torch_compile_raise_instead_of_waiting(copies):
+    layer = SynchronizedBatchNorm2d(3)
+    layer.sync_timeout = 10  # a replica that took the eager path would wait this long for the other
+    if copies == "deepcopy":  # registered copies
+        replicas = make_replicas(layer, 2)
+    else:  # as torch.nn.parallel.replicate makes them: copies without __init__ (not registered), their
+        replicas = [layer._replicate_for_data_parallel() for _ in range(2)]  # parameters set afterwards
+        for replica in replicas:
+            replica.weight, replica.bias = layer.weight * 1, layer.bias * 1
     execute_replication_callbacks(replicas)
     with pytest.raises(RuntimeError, match="thread replicas cannot run under torch.compile"):
         torch.compile(replicas[0], backend="eager")(torch.randn(2, 3, 4, 4))
