@@ -274,8 +274,9 @@ def no_buffer_sync_option(ddp_class: type) -> dict[str, bool]:
 def compile_for_training(model: nn.Module, dist_info: DistInfo, *, enabled: bool) -> nn.Module:
     """torch.compile(model) for train.compile=true (the forward; autograd compiles the backward with it).
 
-    The synchronized BN layers compile as graph breaks around their autograd Functions. Thread replicas
-    (DataParallelWithCallback) cannot be compiled: ValueError.
+    The synchronized BN layers compile into the model's graph, their exchange included (functional
+    collectives; model/sync_batchnorm/README.md). Thread replicas (DataParallelWithCallback) cannot be
+    compiled: ValueError.
     """
     if not enabled:
         return model

@@ -38,10 +38,10 @@ def _files_matching(pattern: str) -> list[str]:
     # a norm layer standing in for another: the same tensors, mode and hooks
     (r"\.running_mean, \w+\.running_var = ", []),
     (r"_forward_pre_hooks", ["model/sync_batchnorm/conversion.py"]),
-    # autocast for a precision (the app's); the standalone package only turns it off for its statistics and
-    # re-enters the caller's in replica threads
+    # autocast for a precision (the app's); the standalone package only turns it off for its statistics (eager
+    # and compiled) and re-enters the caller's in replica threads
     (r"torch\.autocast\(", ["engine/devices.py", "model/sync_batchnorm/batchnorm.py",
-                            "model/sync_batchnorm/replicate.py"]),
+                            "model/sync_batchnorm/compiled.py", "model/sync_batchnorm/replicate.py"]),
     # normalization of uint8 images (mean / std)
     (r"def normalize_batch\(", ["data/transforms.py"]),
     (r"normalize_batch\(", ["data/transforms.py", "engine/inference.py", "engine/precise_bn.py", "engine/trainer.py"]),

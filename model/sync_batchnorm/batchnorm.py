@@ -7,7 +7,9 @@ With neither, it is plain `F.batch_norm`, bit for bit `nn.BatchNorm*d`. In eval 
 statistics like nn.BatchNorm.
 
 The autograd graph of the synchronized path (one graph for every topology) is in functions.py; the
-labels that name a divergence (the layer's path and call count) are divergence.py's.
+labels that name a divergence (the layer's path and call count) are divergence.py's. While torch.compile
+traces the layer, the synchronized path is compiled.py's (functional collectives, no graph break); the
+eager path does not change.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.compiler import is_compiling
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import functions
+from . import compiled, functions
 from .comm import SyncMaster
 from .divergence import check_gathered_labels, layer_key
 from .functions import BackwardHandoff, CombineMeta, CombineStats, LocalStats, Normalize, StatsMessage
@@ -81,6 +84,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
         self._pending_label_checks: list = []  # shared with this round's replicas (a shallow copy keeps it)
         self.sync_names: dict[int, str] = {}  # key -> path of every layer named with this one
         self.sync_name = None
+        compiled.register(self)
 
     @property
     def sync_name(self) -> str | None:
@@ -107,6 +111,7 @@ class _SynchronizedBatchNorm(_BatchNorm):
             self.__dict__.setdefault(name, default)  # a layer pickled before these existed
         if "_sync_name" not in self.__dict__:
             self.sync_name = None
+        compiled.register(self)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -201,6 +206,9 @@ class _SynchronizedBatchNorm(_BatchNorm):
         running_var = self.running_var if track else None
 
         if use_batch_stats and self.synchronizes():
+            if is_compiling():  # torch.compile is tracing: the traceable path
+                return compiled.forward(self, input, average_factor, running_mean, running_var,
+                                        get_sbn_eps_mode() == "clamp")
             exchange = self._thread_exchange()
             self._exchange_calls += 1
             if exchange is not None and self._exchange_ledger is not None:
@@ -211,6 +219,8 @@ class _SynchronizedBatchNorm(_BatchNorm):
                     raise
             return self._forward_synchronized(input, exchange, average_factor, running_mean, running_var)
         if use_batch_stats and get_sbn_eps_mode() == "clamp":  # F.batch_norm only adds eps
+            if is_compiling():
+                return compiled.forward(self, input, average_factor, running_mean, running_var, True)
             return self._forward_synchronized(input, None, average_factor, running_mean, running_var)
         return F.batch_norm(
             input, running_mean, running_var, self.weight, self.bias, use_batch_stats, average_factor, self.eps
@@ -244,13 +254,21 @@ class _SynchronizedBatchNorm(_BatchNorm):
             handoff.invstd = torch.rsqrt(stats[1].clamp_min(self.eps) if clamp else stats[1] + self.eps)
             handoff.weight = self.weight.detach().to(stats.dtype) if self.weight is not None else torch.ones_like(stats[0])
             output = Normalize.apply(input, global_stats, self.weight, self.bias, handoff, self.eps, clamp)
+        self._update_running_stats(global_stats[0], global_stats[1], total_count, average_factor, running_mean,
+                                   running_var)
+        return output
+
+    @staticmethod
+    def _update_running_stats(mean: torch.Tensor, var: torch.Tensor, total_count: int | torch.Tensor,
+                              average_factor: float, running_mean: torch.Tensor | None,
+                              running_var: torch.Tensor | None) -> None:
+        """Running statistics, in place, from the global mean and biased variance over total_count values."""
         if running_mean is not None and running_var is not None:
             with torch.no_grad():
-                mean, var = global_stats[0].detach(), global_stats[1].detach()
+                mean, var = mean.detach(), var.detach()
                 unbiased = var * (total_count / (total_count - 1))
                 running_mean.mul_(1 - average_factor).add_(mean.to(running_mean.dtype), alpha=average_factor)
                 running_var.mul_(1 - average_factor).add_(unbiased.to(running_var.dtype), alpha=average_factor)
-        return output
 
     def _data_parallel_master(self, intermediates: list[tuple[int, StatsMessage]]) -> list[tuple[int, Any]]:
         """Merge every replica's statistics (runs once per step, in the master replica's thread)."""
@@ -265,13 +283,14 @@ class _SynchronizedBatchNorm(_BatchNorm):
         # value per channel needs the global count (a host sync, in this rare case only).
         if meta.local_count <= 1 and (meta.group is None or int(round(float(meta.total_count))) <= 1):
             total = meta.total_count if meta.group is None else int(round(float(meta.total_count)))
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got {total} in total "
-                f"over {len(intermediates)} replica(s)"
-                + (" and all processes" if meta.group is not None else "")
-            )
+            raise self._too_few_values(total, len(intermediates), meta.group is not None)
         return [(copy_id, (stats, meta.total_count)) for (copy_id, _), stats in zip(intermediates, outputs)]
 
+    @staticmethod
+    def _too_few_values(total: int, replicas: int, distributed: bool) -> ValueError:
+        """The error of a training forward with at most one value per channel over the whole reduction."""
+        return ValueError(f"Expected more than 1 value per channel when training, got {total} in total over "
+                          f"{replicas} replica(s)" + (" and all processes" if distributed else ""))
 
     # --- divergence across processes: every process checks every process's label ------------------
     def _check_labels(self, labels: torch.Tensor, group) -> None:

@@ -220,14 +220,16 @@ def group_batch(group: int, step: int):
     return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
 
 
-def _train_in_group(layer: nn.Module, group: int, member: int, process_group) -> dict:
-    """Two SGD steps of `layer` on this member's share of `group`'s batches; gradients summed in the group."""
+def _train_in_group(layer: nn.Module, group: int, member: int, process_group, compiled: bool = False) -> dict:
+    """Two SGD steps of `layer` on this member's share of `group`'s batches; gradients summed in the group.
+    `compiled`: through torch.compile (fullgraph, without code generation: the aot_eager backend)."""
+    forward = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
     results = {}
     start = sum(GROUP_SPLITS[group][:member])
     for step in range(2):
         x, upstream = group_batch(group, step)
         chunk = x[start:start + GROUP_SPLITS[group][member]].clone().requires_grad_()
-        y = layer(chunk)
+        y = forward(chunk)
         y.backward(upstream[start:start + GROUP_SPLITS[group][member]])
         grads = torch.stack([layer.weight.grad, layer.bias.grad])
         dist.all_reduce(grads, group=process_group)
@@ -240,9 +242,21 @@ def _train_in_group(layer: nn.Module, group: int, member: int, process_group) ->
     return results
 
 
-def groups_worker(rank: int, port: int, out_dir: str, world_size: int) -> None:
+def assert_groups_match(grouped: list[dict], independent: list[dict]) -> None:
+    """4 ranks in groups {0, 1}, {2, 3} give what the 2 ranks of an independent run give, within 1e-6."""
+    for rank in range(4):
+        group, member = divmod(rank, 2)
+        got, expected = grouped[rank][group], independent[member][group]
+        assert got.keys() == expected.keys()
+        for key in got:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def groups_worker(rank: int, port: int, out_dir: str, world_size: int, compiled: bool = False) -> None:
     """world_size 4: groups {0, 1} and {2, 3}; group 0's layer takes process_group= when built, group 1's
-    from convert_model. world_size 2: both groups' runs, one after the other, each with a fresh layer."""
+    from convert_model; `compiled`: under torch.compile. world_size 2: both groups' runs, one after the
+    other, each with a fresh layer."""
     _join(rank, port, world_size)
     try:
         results = {}
@@ -253,7 +267,7 @@ def groups_worker(rank: int, port: int, out_dir: str, world_size: int) -> None:
                 layer = initial_layer(cls=lambda channels: SynchronizedBatchNorm2d(channels, process_group=own_group))
             else:
                 layer = convert_model(nn.Sequential(initial_layer(cls=nn.BatchNorm2d)), process_group=own_group)[0]
-            results[group] = _train_in_group(layer, group, member, own_group)
+            results[group] = _train_in_group(layer, group, member, own_group, compiled)
         else:
             for group in range(2):
                 results[group] = _train_in_group(initial_layer(), group, rank, None)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gloo_workers import CHANNELS, LEARNING_RATE, STEPS, WORLD_SIZE, divergence_worker, global_batch, group_batch
-from gloo_workers import groups_worker, initial_layer, numerics_worker, run_ranks
+from gloo_workers import assert_groups_match, groups_worker, initial_layer, numerics_worker, run_ranks
 
 
 @pytest.mark.slow
@@ -79,13 +79,7 @@ def test_a_rank_taking_an_extra_branch_makes_every_rank_raise_one_message_naming
 def test_four_ranks_in_two_groups_equal_two_independent_two_rank_runs(tmp_path):
     grouped = run_ranks(groups_worker, tmp_path / "four", world_size=4, args=(4,))
     independent = run_ranks(groups_worker, tmp_path / "two", world_size=2, args=(2,))
-    tol = dict(rtol=1e-6, atol=1e-6)
-    for rank in range(4):
-        group, member = divmod(rank, 2)
-        got, expected = grouped[rank][group], independent[member][group]
-        assert got.keys() == expected.keys()
-        for key in got:
-            torch.testing.assert_close(got[key], expected[key], **tol, msg=lambda m: f"rank {rank} {key}: {m}")
+    assert_groups_match(grouped, independent)
     # negative control: a group's statistics are not the whole world's
     x0, _ = group_batch(0, 0)
     x1, _ = group_batch(1, 0)

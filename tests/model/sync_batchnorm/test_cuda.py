@@ -143,3 +143,32 @@ def test_divergence_labels_on_cuda_are_checked_from_an_asynchronous_copy_at_the_
     torch.cuda.synchronize()
     with pytest.raises(SyncDivergenceError, match=r"rank 0 called '0' \(call 1\) but rank 1 called '1' \(call 1\)"):
         model[0]._check_pending_labels()
+
+
+def test_compiled_synchronized_path_on_one_gpu_gives_the_eager_values():
+    """torch.compile (inductor: Triton kernels) of the synchronized path with nothing to exchange (eps mode
+    'clamp' on one device), without a graph break, against the eager path: output, gradients, running
+    statistics. The exchange itself (functional collectives, the label ops) needs processes: gloo on CPU
+    tests it (model/sync_batchnorm/tests/test_compile.py)."""
+    import copy
+
+    from model.sync_batchnorm import get_sbn_eps_mode, set_sbn_eps_mode
+
+    saved = get_sbn_eps_mode()
+    set_sbn_eps_mode("clamp")
+    try:
+        eager = make_pair()[0]
+        compiled_model = copy.deepcopy(eager)
+        forward = torch.compile(compiled_model, fullgraph=True)
+        x = torch.randn(6, 3, 17, 19, device="cuda")
+        upstream = torch.randn(6, 8, 17, 19, device="cuda")
+        for model, run in ((eager, eager), (compiled_model, forward)):
+            run(x).backward(upstream)
+        torch.testing.assert_close(forward(x), eager(x), rtol=1e-4, atol=1e-5)
+        expected_grads = dict(eager.named_parameters())
+        for name, got in compiled_model.named_parameters():
+            if name != "0.bias":  # a bias before BatchNorm has no gradient but round-off (~1e-4 here)
+                torch.testing.assert_close(got.grad, expected_grads[name].grad, rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(compiled_model[1].running_var, eager[1].running_var, rtol=1e-5, atol=1e-6)
+    finally:
+        set_sbn_eps_mode(saved)
