@@ -109,17 +109,23 @@ def test_torchrun_with_gpus_is_an_error(monkeypatch):
         setup_distributed("0,1")
 
 
-def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
-    """WORLD_SIZE>1 goes the DDP way; the process-group call is intercepted (a real 2-process run is in
-    tests/e2e/test_train_ddp.py)."""
-    _fake_cuda(monkeypatch, 0)
-    calls = []
+def _as_torchrun_rank_1_of_2(monkeypatch) -> tuple[DistInfo, list[dict]]:
+    """setup_distributed under torchrun's variables for rank 1 of 2, the process-group call intercepted:
+    the DistInfo and the keyword arguments of each init_process_group call."""
+    calls: list[dict] = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: calls.append(kw))
-    info = setup_distributed(None, timeout_s=20)
+    return setup_distributed(None, timeout_s=20), calls
+
+
+def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
+    """WORLD_SIZE>1 goes the DDP way; the process-group call is intercepted (a real 2-process run is in
+    tests/e2e/test_train_ddp.py)."""
+    _fake_cuda(monkeypatch, 0)
+    info, calls = _as_torchrun_rank_1_of_2(monkeypatch)
     assert calls == [{"backend": "gloo", "init_method": "env://", "rank": 1, "world_size": 2,
                       "timeout": datetime.timedelta(seconds=20)}]
     assert info.mode == "ddp" and info.rank == 1 and info.world_size == 2 and not info.is_main
@@ -130,13 +136,7 @@ def test_torchrun_env_with_cuda_pairs_nccl_with_gloo_for_cpu_tensors(monkeypatch
     """NCCL carries the model's tensors; the stop agreement (engine.signals) all-reduces a CPU tensor, which
     needs a CPU backend in the same group: torch's own default pairing, cpu:gloo,cuda:nccl."""
     fake = _fake_cuda(monkeypatch, 2)
-    calls = []
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: calls.append(kw))
-    info = setup_distributed(None, timeout_s=20)
+    info, calls = _as_torchrun_rank_1_of_2(monkeypatch)
     assert [call["backend"] for call in calls] == ["cpu:gloo,cuda:nccl"]
     assert calls[0]["device_id"] == torch.device("cuda", 1) and fake.set_calls == [1]
     assert info.device == torch.device("cuda", 1) and info.device_ids == (1,)
