@@ -109,17 +109,21 @@ def resume_command(args: argparse.Namespace, dist_info, *, parent: int | None = 
     return f"{shlex.quote(_interpreter())} {tail}"
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, whole (its type's name when the message is empty)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def lost_contact_message(error: BaseException, *, rank: int, timeout_s: float, launcher: str) -> str:
     """The line for a collective that failed because a peer hung, died or became unreachable: the
     backend's own first line, whole, and what brings the run back under this launcher."""
-    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     again = {
         "torchrun": "Under torchrun --max-restarts the job restarts and resumes from last.pt",
         "slurm": "Requeue the job (scontrol requeue $SLURM_JOB_ID; scripts/slurm/train.sbatch does it by itself) "
                  "and it resumes from last.pt with --resume auto",
     }.get(launcher, "Start the same command with --resume auto to continue from last.pt")
     return (f"rank {rank}: lost contact with the other processes; a peer hung, was killed or became unreachable, "
-            f"and collectives wait at most dist.timeout_s={timeout_s:g} s. {again}. The backend said: {first_line}")
+            f"and collectives wait at most dist.timeout_s={timeout_s:g} s. {again}. The backend said: {first_line(error)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         code, message = 1, f"rank {dist_info.rank}: {describe_error(error)}"
     except RuntimeError as error:
         if "DataLoader worker" in str(error):  # e.g. killed by the kernel's out-of-memory killer
-            code, message = 1, (f"rank {dist_info.rank}: {str(error).strip().splitlines()[0]}; if the system ran "
+            code, message = 1, (f"rank {dist_info.rank}: {first_line(error)}; if the system ran "
                                 "out of memory, lower data.num_workers or train.batch_size")
         elif not is_communication_error(error):
             raise

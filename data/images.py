@@ -101,14 +101,23 @@ def _tiff_bands_last(path: str | os.PathLike) -> np.ndarray:
                          "before YX)")
 
 
+def _starts_as_tiff(path: str | os.PathLike) -> bool:
+    """Whether the file begins with a TIFF signature (False when it cannot be read: _file_bytes says why)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) in _TIFF_STARTS
+    except OSError:
+        return False
+
+
 def read_stored_image(path: str | os.PathLike) -> np.ndarray:
     """H x W x C as the file stores it: C channels in RGB(A) order for colour files, uint8 or uint16.
     BadSampleError naming the file when it is missing, not an image, or holds samples that are not 8- or
     16-bit unsigned integers."""
-    data = _file_bytes(path)
-    if data[:4].tobytes() in _TIFF_STARTS:
+    if _starts_as_tiff(path):  # tifffile reads the file itself: no second read of it into memory
         image = _tiff_bands_last(path)
     else:
+        data = _file_bytes(path)
         image = cv2.imdecode(data, cv2.IMREAD_UNCHANGED) if data.size else None
         if image is None:
             raise BadSampleError(f"cannot read image '{path}' (empty, truncated or not an image)")

@@ -79,8 +79,6 @@ class StopRequest:
         if not is_dist():
             return self.received is not None
         flag = torch.tensor([float(self.received or 0)])  # CPU: the gloo backend, no wait for a GPU
-        all_reduce_max(flag)  # the signal number that any process received
-        if flag.item() == 0:
-            return False
-        self.received = self.received or int(flag.item())
-        return True
+        received = int(all_reduce_max(flag).item())  # the signal number that any process received
+        self.received = self.received or received or None
+        return received != 0
