@@ -1,13 +1,13 @@
 """Feature extractors for DeepLab: torchvision ResNets, MobileNetV2 and MobileNetV3-Large with an output stride
-of 8 or 16 (timm encoders: model/timm_encoder.py).
+of 8 or 16, or 32: the torchvision network as it is, nothing dilated (timm encoders: model/timm_encoder.py).
 
 Every backbone is built from torchvision's own definition, so torchvision's ImageNet state dicts load
 strictly into it (after dropping the ImageNet classifier; MobileNet keys also lose their `features.`
 prefix). `forward(x)` returns a dict of feature maps:
 
 - `low_level`: output stride 4 (ResNet layer1, MobileNet block 3), for the DeepLabV3+ decoder;
-- `aux`: ResNet layer3 / MobileNetV2 block 13 (output stride 8 or 16) / MobileNetV3 block 4 (output
-  stride 8, torchvision's choice), for the FCN aux head;
+- `aux`: ResNet layer3 / MobileNetV2 block 13 (output stride 8 or 16; 16 at 32) / MobileNetV3 block 4
+  (output stride 8, torchvision's choice), for the FCN aux head;
 - `out`: the last stage, at the requested output stride (MobileNetV2: the 320-channel block 17; the
   1x1 conv to 1280 channels belongs to the classifier, as in the MobileNetV2 paper's DeepLabV3).
 
@@ -133,7 +133,7 @@ def _dilate_basic_stage(stage: nn.Sequential, *, previous_dilation: int, dilatio
 
 
 # output stride -> which of ResNet's layer2/3/4 trade their stride for dilation
-_DILATED_STAGES = {16: [False, False, True], 8: [False, True, True]}
+_DILATED_STAGES = {32: [False, False, False], 16: [False, False, True], 8: [False, True, True]}
 
 
 def _build_resnet(name: str, *, output_stride: int, norm_layer: NormLayer) -> ResNetBackbone:
@@ -183,7 +183,9 @@ def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> M
     backbone = MobileNetBackbone(blocks, low_level_index=stage_starts[1] - 1, aux_index=stage_starts[1])
     last_start = stage_starts[-1]
     dilations = {range(last_start, len(backbone) - 1): 2}
-    if output_stride == 8:
+    if output_stride == 32:
+        dilations = {}
+    elif output_stride == 8:
         dilations = {range(stage_starts[-2], last_start): 2, range(last_start, len(backbone) - 1): 4}
     for blocks_range, dilation in dilations.items():
         for index in blocks_range:

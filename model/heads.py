@@ -18,11 +18,11 @@ from torch.nn import functional as F
 from model.norm import NormLayer
 
 # The one place where output stride becomes ASPP rates (DeepLabV3 paper, section 4.1).
-_ASPP_RATES = {16: (6, 12, 18), 8: (12, 24, 36)}
+_ASPP_RATES = {32: (3, 6, 9), 16: (6, 12, 18), 8: (12, 24, 36)}
 
 
 def aspp_rates_for(output_stride: int, rates: Sequence[int] = ()) -> tuple[int, ...]:
-    """ASPP dilation rates: `rates` when given, else 6/12/18 at output stride 16 and 12/24/36 at 8."""
+    """ASPP dilation rates: `rates` when given, else 6/12/18 at output stride 16, 12/24/36 at 8, 3/6/9 at 32."""
     if rates:
         return tuple(int(rate) for rate in rates)
     return _ASPP_RATES[output_stride]

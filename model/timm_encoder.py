@@ -132,7 +132,7 @@ def _strict_weights(name: str, path: Path) -> dict[str, Any]:
 
 def build_timm_backbone(name: str, *, output_stride: int, norm_layer: Callable[..., nn.Module],
                         pretrained: str = "none") -> TimmBackbone:
-    """The timm encoder `name` at `output_stride` (8 or 16) with the backbone norm `norm_layer` (see the
+    """The timm encoder `name` at `output_stride` (8, 16 or 32) with the backbone norm `norm_layer` (see the
     module docstring for `pretrained`). Raises ValueError naming the model for names timm does not know,
     models without features_only or output-stride support and weights that do not fit;
     FileNotFoundError for missing weight files."""

@@ -138,7 +138,7 @@ class ModelConfig:
     # torchvision backbones, or timm:<name> for a timm encoder (model/timm_encoder.py checks the name)
     backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v2", "mobilenet_v3_large"] = (
         _or_prefixed("resnet50", TIMM_PREFIX, "a timm encoder"))
-    output_stride: Literal[8, 16] = 16
+    output_stride: Literal[8, 16, 32] = 16
     pretrained_backbone: str = "none"  # none | imagenet | path to a backbone state dict
     init_checkpoint: str = ""  # segmentation checkpoint to fine-tune from (classifier skipped on mismatch)
     norm: Literal["syncbn", "bn", "frozen_bn"] = "syncbn"

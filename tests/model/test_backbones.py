@@ -31,12 +31,13 @@ def _randomize_batchnorm(module: nn.Module, seed: int = 0) -> None:
 
 
 @pytest.mark.parametrize("name", choices("model.backbone"))
-@pytest.mark.parametrize("output_stride", [8, 16])
+@pytest.mark.parametrize("output_stride", [8, 16, 32])
 def test_feature_strides_and_channels(name, output_stride):
     backbone = build_backbone(name, output_stride=output_stride, norm_layer=nn.BatchNorm2d).eval()
     with torch.no_grad():
         features = backbone(torch.randn(1, 3, 64, 96))
-    aux_stride = 8 if name == "mobilenet_v3_large" else output_stride  # resnet: layer3, mobilenet_v2: block 13
+    # resnet: layer3, mobilenet_v2: block 13 (both at 16 when nothing is dilated), mobilenet_v3: block 4
+    aux_stride = 8 if name == "mobilenet_v3_large" else min(output_stride, 16)
     expected = {"low_level": 4, "aux": aux_stride, "out": output_stride}
     channels = {"low_level": backbone.low_level_channels, "aux": backbone.aux_channels, "out": backbone.out_channels}
     for key, stride in expected.items():
@@ -99,6 +100,19 @@ def test_mobilenet_v2_dilation_is_the_exact_atrous_conversion(output_stride):
 
 def _conv_geometry(module: nn.Module) -> list[tuple]:
     return [(name, m.stride, m.dilation, m.padding) for name, m in module.named_modules() if isinstance(m, nn.Conv2d)]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2", "mobilenet_v3_large"])
+def test_output_stride_32_is_torchvision_network_undilated(name):
+    ours = build_backbone(name, output_stride=32, norm_layer=nn.BatchNorm2d)
+    reference = getattr(torchvision.models, name)(weights=None)
+    reference_convs = dict((module_name.removeprefix("features."), rest) for module_name, *rest
+                           in _conv_geometry(reference))
+    ours_convs = _conv_geometry(ours)
+    assert len(ours_convs) >= 19
+    for module_name, *geometry in ours_convs:
+        assert geometry == reference_convs[module_name], module_name
+        assert geometry[1] == (1, 1), module_name  # no dilation anywhere
 
 
 def test_mobilenet_output_stride_16_matches_torchvision_dilated():

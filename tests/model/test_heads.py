@@ -14,6 +14,7 @@ from model.sync_batchnorm.unittest import run_replicas
 def test_aspp_rates_follow_output_stride_unless_given():
     assert aspp_rates_for(16) == (6, 12, 18)
     assert aspp_rates_for(8) == (12, 24, 36)
+    assert aspp_rates_for(32) == (3, 6, 9)
     assert aspp_rates_for(8, (1, 2, 3)) == (1, 2, 3)
 
 
