@@ -25,6 +25,7 @@ from engine.config import Config, from_dict, save_config, to_dict
 from engine.devices import autocast_for
 from engine.distributed import DistInfo, all_reduce_sum
 from engine.evaluate import evaluate
+from engine.optim import load_optimizer_state
 from engine.precise_bn import precise_batch_norms
 from engine.reporting import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
 from engine.samplers import shutdown_workers, train_steps
@@ -271,10 +272,7 @@ class Trainer:
         parts = self.parts
         load_model_weights(self.model, state["model"], checkpoint=state.get("path", "resumed"),
                            saved_model_cfg=from_dict(state["config"]).model, model_cfg=self.config.model)
-        configured = [(group["initial_lr"], group["weight_decay"]) for group in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group, (initial_lr, weight_decay) in zip(self.optimizer.param_groups, configured):
-            group["initial_lr"], group["weight_decay"] = initial_lr, weight_decay
+        load_optimizer_state(self.optimizer, state["optimizer"])
         parts.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             parts.scaler.load_state_dict(state["scaler"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.optim import PolyWarmupLR, build_optimizer, poly_warmup_factor
+from engine.optim import PolyWarmupLR, build_optimizer, fused_supported, load_optimizer_state, poly_warmup_factor
 
 
 def test_poly_schedule_matches_torch_polynomial_lr():
@@ -64,3 +64,52 @@ def test_build_optimizer_takes_the_configured_kind_and_settings():
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
     cfg.optimizer = "adamw"
     assert isinstance(build_optimizer([{"params": params}], cfg), torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_cpu_optimizer_is_fused_and_updates_as_the_per_tensor_loop(kind):
+    """The fused kernels are torch's same update in one pass: float64 keeps rounding out of the comparison."""
+    torch.manual_seed(0)
+    shapes = [(64, 3, 3, 3), (64,), (10, 64)]
+    initial = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
+    grads = [[torch.randn(shape, dtype=torch.float64) for shape in shapes] for _ in range(4)]
+    cfg = _TrainCfg()
+    cfg.optimizer, cfg.weight_decay = kind, 0.01
+    runs = []
+    for fused in (True, False):
+        params = [torch.nn.Parameter(value.clone()) for value in initial]
+        optimizer = build_optimizer([{"params": params}], cfg)
+        assert optimizer.param_groups[0]["fused"] is True
+        if not fused:  # torch's default on a CPU: the loop over tensors
+            optimizer.param_groups[0]["fused"], optimizer.param_groups[0]["foreach"] = False, False
+        for step_grads in grads:
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.clone()
+            optimizer.step()
+        runs.append([param.detach() for param in params])
+    assert not torch.equal(runs[0][0], initial[0])
+    for fused_param, loop_param in zip(*runs):
+        torch.testing.assert_close(fused_param, loop_param, rtol=1e-12, atol=1e-14)
+
+
+def test_fused_only_where_torch_has_the_kernels():
+    assert fused_supported([{"params": [torch.nn.Parameter(torch.zeros(2))]}])
+    assert not fused_supported([{"params": [torch.nn.Parameter(torch.zeros(2, device="meta"))]}])
+    assert not fused_supported([{"params": []}])
+
+
+def test_a_checkpoint_from_the_unfused_optimizer_resumes_fused_with_the_configured_lr():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5))]
+    old = torch.optim.AdamW([{"params": params, "initial_lr": 0.5, "weight_decay": 0.5}], lr=0.5)  # fused=None
+    params[0].grad = torch.randn(5)
+    old.step()
+    cfg = _TrainCfg()
+    cfg.optimizer = "adamw"
+    new = build_optimizer([{"params": params, "initial_lr": 0.01, "weight_decay": 0.0}], cfg)
+    load_optimizer_state(new, old.state_dict())
+    group = new.param_groups[0]
+    assert (group["fused"], group["initial_lr"], group["weight_decay"]) == (True, 0.01, 0.0)
+    torch.testing.assert_close(new.state[params[0]]["exp_avg"], old.state[params[0]]["exp_avg"])
+    new.step()  # the restored moments and step count go through the fused kernel
+    assert int(new.state[params[0]]["step"]) == 2
