@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             for images, masks in bare_batches:
                 images, masks = images.to(device), masks.to(device)
                 inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
-                if config.model.channels_last:
+                if trainer.model.channels_last:  # as the trainer resolved model.channels_last
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 with autocast_for(device, config.train.amp):
                     logits = trainer.parts.train_model(inputs)["out"]

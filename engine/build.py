@@ -19,7 +19,7 @@ from data import build_dataset, check_masks_at_start
 from engine.accumulation import describe_batches
 from engine.checkpoint import init_from_weights
 from engine.config import Config
-from engine.devices import log_precision
+from engine.devices import log_precision, resolve_channels_last
 from engine.distributed import DistInfo, assign_sync_groups, compile_for_training, wrap_for_training
 from engine.ema import ModelEMA
 from engine.evaluate import build_eval_loader, check_batching
@@ -83,7 +83,11 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
         check_masks_at_start(dataset)  # a bounded sample of masks: a bad encoding fails now, not mid-run
     check_batching(val_set, config.eval.batch_size, key="eval.batch_size")  # fail now, not at validation
     classes = tuple(train_set.classes)
-    model = build_model(config.model, len(classes), in_channels=data_cfg.in_channels)  # channels_last is build_model's
+    precision = log_precision("train.amp", train_cfg.amp, device)
+    log_precision("eval.amp", config.eval.amp, device)
+    channels_last, why = resolve_channels_last(config.model.channels_last, train_cfg.amp, device)
+    logger.info("model.channels_last=%s: %s (%s)", config.model.channels_last, "on" if channels_last else "off", why)
+    model = build_model(config.model, len(classes), in_channels=data_cfg.in_channels, channels_last=channels_last)
     if config.model.init_checkpoint and init_weights:
         init_from_weights(model, config.model.init_checkpoint, model_cfg=config.model)
     model.to(device)
@@ -94,8 +98,6 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
     optimizer = build_optimizer(groups, train_cfg)
     scheduler = PolyWarmupLR(optimizer, total_iters=train_cfg.iters, power=train_cfg.poly_power,
                              warmup_iters=train_cfg.warmup_iters)
-    precision = log_precision("train.amp", train_cfg.amp, device)
-    log_precision("eval.amp", config.eval.amp, device)
     sampler = ResumableBatchSampler(len(train_set), global_batch=train_cfg.batch_size, seed=train_cfg.seed,
                                     rank=dist_info.rank, world_size=dist_info.world_size,
                                     accumulate=train_cfg.accumulate)

@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.atomic import write_atomically
 from engine.config import Config, from_dict, inference_config
+from engine.devices import resolve_channels_last
 from engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
 from engine.seeding import capture_rng_state, restore_rng_state
 from model.backbones import unwrap_state_dict
@@ -354,7 +355,8 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
     source = f"checkpoint '{path}'"
     config = inference_config(payload["config"], overrides, source=source, flags=flags)
     classes = [str(name) for name in payload["classes"]]
-    model = build_model(config.model, len(classes), in_channels=config.data.in_channels)
+    channels_last, _ = resolve_channels_last(config.model.channels_last, config.eval.amp, device)
+    model = build_model(config.model, len(classes), in_channels=config.data.in_channels, channels_last=channels_last)
     load_model_weights(model, payload.pop("model"), checkpoint=path,
                        saved_model_cfg=from_dict(payload["config"], source=source).model, model_cfg=config.model)
     model.to(device).eval()

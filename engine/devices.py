@@ -87,6 +87,18 @@ def log_precision(key: str, precision: str, device: torch.device) -> str:
     return chosen
 
 
+def resolve_channels_last(setting: str | bool, precision: str, device: torch.device) -> tuple[bool, str]:
+    """(channels-last or not, why) for model.channels_last = `setting` (auto | True | False) when `precision`
+    (train.amp / eval.amp) runs on `device`: auto is channels-last exactly when that precision resolves to
+    bf16 or fp16 (resolve_precision)."""
+    if setting != "auto":
+        return bool(setting), "as configured"
+    chosen = resolve_precision(precision, device)[0]
+    if chosen in ("bf16", "fp16"):
+        return True, f"auto: {chosen} kernels want channels-last"
+    return False, "auto: fp32 runs in the usual layout"
+
+
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """The autocast context for `precision` (auto | off | fp16 | bf16) on `device`."""
     dtype = _AUTOCAST_DTYPES[resolve_precision(precision, device)[0]]

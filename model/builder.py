@@ -44,7 +44,8 @@ def _build_deeplabv3plus_head(backbone: nn.Module, num_classes: int, rates: tupl
 HEADS = {"deeplabv3": _build_deeplabv3_head, "deeplabv3plus": _build_deeplabv3plus_head}
 
 
-def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB) -> DeepLab:
+def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB,
+                channels_last: bool | None = None) -> DeepLab:
     """A DeepLab network for `model_cfg` (engine.config.ModelConfig) predicting `num_classes` classes from
     images of `in_channels` channels (data.in_channels; other than 3 adapts the backbone's first
     convolution: model/input_channels.py).
@@ -53,6 +54,9 @@ def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB) -> 
     model_cfg.aux_loss. Pretrained backbone weights are loaded here (model_cfg.pretrained_backbone);
     model_cfg.init_checkpoint is left to the trainer (load_segmentation_weights). Raises ValueError for
     a class count that is not a positive integer, FileNotFoundError for missing weight files.
+    `channels_last`: the layout the caller resolved for model_cfg.channels_last (engine.devices.
+    resolve_channels_last: "auto" depends on device and precision); None takes model_cfg.channels_last as
+    given, "auto" as the usual layout.
     """
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes={num_classes!r} must be a positive integer")
@@ -69,7 +73,8 @@ def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB) -> 
     )
     classifier = HEADS[arch](backbone, num_classes, rates, channels, head_norm, dropout=model_cfg.aspp_dropout)
     aux_classifier = FCNHead(backbone.aux_channels, num_classes, norm_layer=head_norm) if model_cfg.aux_loss else None
-    channels_last = bool(model_cfg.channels_last)
+    if channels_last is None:
+        channels_last = model_cfg.channels_last is True
     model = DeepLab(backbone, classifier, aux_classifier=aux_classifier, channels_last=channels_last)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -73,7 +73,13 @@ def _convert(value: Any, annotation: Any, key: str, source: str) -> Any:
         except ValueError:
             raise fail from None
     if origin is Literal:
-        kinds = {type(choice) for choice in typing.get_args(annotation)}
+        choices = typing.get_args(annotation)
+        kinds = {type(choice) for choice in choices}
+        if bool in kinds and not (isinstance(value, str) and value in choices):  # auto | true | false
+            try:
+                return _convert(value, bool, key, source)
+            except ValueError:
+                raise fail from None
         try:
             return _convert(value, kinds.pop() if len(kinds) == 1 else str, key, source)
         except ValueError:

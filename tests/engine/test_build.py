@@ -46,6 +46,13 @@ def test_channels_last_is_the_model_builders_alone(tmp_path, channels_last):
     assert parts.model.channels_last == channels_last
 
 
+@pytest.mark.parametrize("amp,expected", [("bf16", True), ("off", False)])
+def test_auto_channels_last_follows_train_amp(tmp_path, amp, expected):
+    parts = _parts(tmp_path, "model.channels_last=auto", f"train.amp={amp}")
+    assert parts.model.channels_last is expected
+    assert parts.model.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last) is expected
+
+
 def test_trainer_state_round_trips_through_load_state_dict(tmp_path):
     """Trainer.state_dict / load_state_dict are one pair: a new trainer loaded from the state continues with
     the same weights, optimizer, schedule and iteration."""

@@ -103,6 +103,10 @@ def test_values_take_the_type_of_their_field():
     assert config.model.output_stride == 8 and isinstance(config.model.output_stride, int)
     assert config.model.aspp_rates == (1, 2, 3) and config.eval.scales == (1.0,)
     assert config.data.class_names == () and config.train.warmup_iters == 10 and config.name == "run 1"
+    # model.channels_last: auto, or a bool in any of the spellings a bool takes (YAML or the command line)
+    for value, expected in (("auto", "auto"), ("true", True), ("off", False), (True, True), (False, False)):
+        assert build_config({"model.channels_last": value}).model.channels_last == expected
+    assert load_config(None, ["model.channels_last=yes"]).model.channels_last is True
 
 
 @pytest.mark.parametrize("override,message", [
@@ -111,7 +115,8 @@ def test_values_take_the_type_of_their_field():
     ("train.lr=fast", "'train.lr' expects float"),
     ("data.hflip=maybe", "'data.hflip' expects bool"),
     ("data.scale_range=1,2,3", "'data.scale_range' expects a comma-separated list of float"),
-    ("model.output_stride=eight", "'model.output_stride' expects one of 8, 16"),
+    ("model.output_stride=eight", "'model.output_stride' expects one of 8, 16, 32"),
+    ("model.channels_last=sometimes", "'model.channels_last' expects one of auto, True, False, got 'sometimes'"),
 ])
 def test_unconvertible_values_name_key_type_and_value(override, message):
     with pytest.raises(ValueError, match=message):
@@ -203,7 +208,7 @@ def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources(
     ("data.dataset=imagenet", "data.dataset='imagenet' is not one of voc, cityscapes, ade20k, synthetic, folder"),
     ("model.arch=unet", "model.arch='unet' is not one of deeplabv3, deeplabv3plus"),
     ("model.backbone=resnet152", "model.backbone='resnet152' is not one of resnet18"),
-    ("model.output_stride=32", "model.output_stride=32 is not one of 8, 16"),
+    ("model.output_stride=4", "model.output_stride=4 is not one of 8, 16, 32"),
     ("model.norm=gn", "model.norm='gn' is not one of syncbn, bn, frozen_bn"),
     ("train.optimizer=lamb", "train.optimizer='lamb' is not one of sgd, adamw"),
     ("train.amp=fp8", "train.amp='fp8' is not one of auto, off, fp16, bf16"),

@@ -28,6 +28,16 @@ def test_auto_precision_follows_the_capability_probe(monkeypatch, device, native
         assert devices.resolve_precision(explicit, device) == (explicit, "as configured")
 
 
+@pytest.mark.parametrize("device,native,amp,expected", [
+    (CPU, True, "auto", True), (CPU, False, "auto", False), (CPU, False, "bf16", True), (CPU, True, "off", False),
+    (CUDA, False, "auto", True), (CUDA, True, "off", False)])
+def test_auto_channels_last_follows_the_precision_that_runs(monkeypatch, device, native, amp, expected):
+    monkeypatch.setattr(devices, "native_bf16", lambda d: native)
+    assert devices.resolve_channels_last("auto", amp, device)[0] is expected
+    for forced in (True, False):  # a configured layout is kept whatever runs
+        assert devices.resolve_channels_last(forced, amp, device) == (forced, "as configured")
+
+
 def test_auto_precision_autocasts_by_capability_and_explicit_bf16_is_warned_when_emulated(monkeypatch, caplog):
     layer = torch.nn.Linear(4, 4)
     monkeypatch.setattr(devices, "native_bf16", lambda device: False)
