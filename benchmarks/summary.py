@@ -12,7 +12,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, format_spread
 
-ORDER = ("bench_syncbn", "bench_model", "bench_data", "bench_eval", "bench_train", "bench_stop")
+ORDER = ("bench_syncbn", "bench_model", "bench_data", "bench_eval", "bench_train", "bench_stop", "bench_optim")
 
 
 def main(argv: list[str] | None = None) -> int:
