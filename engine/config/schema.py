@@ -151,9 +151,10 @@ class ModelConfig:
     # dropout after the ASPP projection (DeepLab's and torchvision's 0.5); short runs from scratch learn
     # faster without it (the demo: val mIoU 0.26 -> 0.38 after 375 iterations)
     aspp_dropout: float = _limited(0.5, Limit(ge=0, le=0.9))
-    # memory layout of activations: auto = channels-last when the precision that runs (train.amp while
-    # training, eval.amp in eval/predict) is bf16 or fp16, whose kernels want it (AMX: the demo's bf16 step took
-    # 2x as long without it), and the usual layout in fp32 (AVX2 kernels lost ~15% with channels-last)
+    # memory layout of activations: auto = channels-last when train.amp runs as bf16 or fp16 on the device,
+    # whose kernels want it (AMX: the demo's bf16 step took 2x as long without it), the usual layout in fp32
+    # (AVX2 kernels lost ~15% with channels-last); eval.py/predict.py resolve it the same way, so they
+    # reproduce training's validation
     channels_last: Literal["auto", True, False] = "auto"
 
 

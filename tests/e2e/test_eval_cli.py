@@ -257,14 +257,14 @@ def test_ade20k_predictions_are_saved_as_raw_labels_1_to_150_and_score_like_nump
 @pytest.mark.slow
 def test_eval_reproduces_training_validation(tmp_path, capsys):
     """train.py's validation at the last iteration and eval.py on that checkpoint report the same numbers
-    (demo config: channels_last; eval.amp=bf16: both evaluate under the checkpoint's eval.amp)."""
+    (channels_last on; eval.amp=bf16: both evaluate under the checkpoint's eval.amp)."""
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--config", "demo", "--gpus", "cpu", f"output_dir={run_dir}",
          "train.iters=2", "train.val_interval=2", "train.ckpt_interval=2", "train.batch_size=2",
          "train.num_vis_images=0", "data.synthetic_image_size=48", "data.crop_size=48",
          "data.synthetic_train_size=4", "data.synthetic_val_size=3", "data.num_workers=0", "model.head_channels=8",
-         "eval.amp=bf16"],
+         "model.channels_last=true", "eval.amp=bf16"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -174,6 +174,16 @@ def test_load_inference_model_rebuilds_the_model_with_its_weights_in_eval_mode(t
         load_inference_model(path, device=torch.device("cpu"), overrides=["model.head_channels=16"])
 
 
+@pytest.mark.parametrize("train_amp,eval_amp,expected", [("bf16", "off", True), ("off", "bf16", False)])
+def test_inference_model_takes_the_layout_training_took(tmp_path, train_amp, eval_amp, expected):
+    """model.channels_last=auto follows train.amp, not eval.amp: eval.py builds the network as training did."""
+    path = tmp_path / "best.pt"
+    _model_checkpoint(path, ["model.channels_last=auto", f"train.amp={train_amp}", f"eval.amp={eval_amp}"])
+    loaded = load_inference_model(path, device=torch.device("cpu"))
+    assert loaded.model.channels_last is expected
+    assert loaded.model.backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last) is expected
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
     from engine.checkpoint import save_safetensors
