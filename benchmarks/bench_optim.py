@@ -11,21 +11,17 @@ optimizer, reported for the other kind as well.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
-from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, summary, time_interleaved
-from benchmarks.common import write_record
+from benchmarks.common import config_parser, environment, judge, paired, print_targets, stable_allocator, summary
+from benchmarks.common import time_interleaved, write_record
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="demo.yaml", help="config name in configs/ or a YAML path")
+    parser = config_parser("bench_optim", __doc__)
     parser.add_argument("--repeats", type=int, default=40, help="timed samples of each variant")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = leave as is)")
-    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_optim.json)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     stable_allocator("benchmarks.bench_optim", sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING)

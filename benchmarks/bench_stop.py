@@ -17,8 +17,8 @@ import os
 import sys
 import time
 
-from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, stable_allocator, summary
-from benchmarks.common import write_record
+from benchmarks.common import balanced_orders, config_parser, environment, judge, paired, print_targets, stable_allocator
+from benchmarks.common import summary, write_record
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -73,13 +73,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="demo.yaml", help="config name in configs/ or a YAML path")
+    parser = config_parser("bench_stop", __doc__)
     parser.add_argument("--rounds", type=int, default=24, help="timed rounds (each variant once a round)")
     parser.add_argument("--steps", type=int, default=3, help="training steps per variant and round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_stop.json)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     stable_allocator("benchmarks.bench_stop", sys.argv[1:] if argv is None else argv)
 

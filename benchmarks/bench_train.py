@@ -19,20 +19,18 @@ contained some.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import sys
 import tempfile
 import time
 
-from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, quiet_gc, stable_allocator
-from benchmarks.common import write_record
+from benchmarks.common import balanced_orders, config_parser, environment, judge, paired, print_targets, quiet_gc
+from benchmarks.common import stable_allocator, write_record
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="demo.yaml", help="config name in configs/ or a YAML path")
+    parser = config_parser("bench_train", __doc__)
     parser.add_argument("--rounds", type=int, default=64,
                         help="interleaved rounds of the four variants (4 make one balanced cycle)")
     parser.add_argument("--iters", type=int, default=3, help="iterations per round and variant")
@@ -40,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="untimed full-loop iterations first (-1: one epoch, so the timed rounds see the "
                              "steady state of a run, e.g. the synthetic renders already cached by the workers)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0 = leave as is)")
-    parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_train.json)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.batch_size=4")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.WARNING)
 

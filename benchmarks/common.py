@@ -14,6 +14,7 @@ MALLOC_TRIM_THRESHOLD_ raised, so freed memory stays in the process and is reuse
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -43,6 +44,16 @@ def stable_allocator(module: str, argv: Sequence[str]) -> None:
     environment = {**os.environ, **STABLE_ALLOCATOR}
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *argv], environment)
+
+
+def config_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark that runs a training config: --config, --output and KEY=VALUE
+    overrides (parse with parse_intermixed_args); the benchmark adds its own options."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--config", default="demo.yaml", help="config name in configs/ or a YAML path")
+    parser.add_argument("--output", default=None, help=f"JSON path (default benchmarks/results/{name}.json)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.batch_size=4")
+    return parser
 
 
 def environment(**extra: Any) -> dict[str, Any]:

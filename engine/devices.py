@@ -89,8 +89,8 @@ def log_precision(key: str, precision: str, device: torch.device) -> str:
 
 def resolve_channels_last(setting: str | bool, precision: str, device: torch.device) -> tuple[bool, str]:
     """(channels-last or not, why) for model.channels_last = `setting` (auto | True | False) when `precision`
-    (train.amp / eval.amp) runs on `device`: auto is channels-last exactly when that precision resolves to
-    bf16 or fp16 (resolve_precision)."""
+    runs on `device`: auto is channels-last exactly when that precision resolves to bf16 or fp16
+    (resolve_precision). Training and inference both pass train.amp, so both build the same layout."""
     if setting != "auto":
         return bool(setting), "as configured"
     chosen = resolve_precision(precision, device)[0]

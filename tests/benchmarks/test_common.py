@@ -112,3 +112,12 @@ def test_summary_prints_every_target_with_its_verdict(tmp_path, capsys):
     assert summary.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "speed" in out and "FAIL" in out and "NOISY" in out and "0 pass, 1 fail, 1 too noisy" in out
+
+
+def test_config_parser_takes_config_output_and_overrides_in_any_order():
+    parser = common.config_parser("bench_x", "Title line.\n\nMore.")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_intermixed_args(["train.iters=5", "--rounds", "7", "--config", "voc.yaml", "model.aux_loss=false"])
+    assert (args.config, args.output, args.rounds) == ("voc.yaml", None, 7)
+    assert args.overrides == ["train.iters=5", "model.aux_loss=false"]
+    assert "results/bench_x.json" in parser.format_help() and parser.description == "Title line."
