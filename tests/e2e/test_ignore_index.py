@@ -45,8 +45,8 @@ def test_training_evaluation_and_saved_predictions_ignore_the_configured_label(t
                  "data.val_split=all", "data.crop_size=32", "data.scale_range=1,1", "data.hflip=false",
                  "data.num_workers=0", "model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1",
                  "model.channels_last=false", "train.batch_size=2", "train.iters=2", "train.val_interval=2",
-                 "train.num_vis_images=0", "train.amp=off", "eval.amp=off"]
-    config = load_config("demo.yaml", overrides)
+                 "train.num_vis_images=0", "train.amp=off", "eval.amp=off", "train.loss=ce:1"]
+    config = load_config("demo.yaml", overrides)  # cross-entropy alone: its weight is the labelled pixel count
     trainer = Trainer.from_config(config, DistInfo(), progress=False)
 
     # training: the 24 px images are padded to 32 px crops with the ignore label, and the loss counts
