@@ -38,7 +38,7 @@ from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunct
 
 from benchmarks.bench_syncbn import layer_inputs
 from benchmarks.common import environment, judge, paired, print_targets, summary, time_interleaved, write_record
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
 SHAPES = [(8, 64, 128, 128), (4, 256, 65, 65), (16, 512, 33, 33)]
 TINY_SHAPES = [(4, 8, 16, 16)]
@@ -156,9 +156,9 @@ def two_processes(repeats: int) -> tuple[list[dict], list[dict]]:
 def _import_trainer():
     """The engine's entry points part 3 needs: imported only then (they need the runtime requirements,
     albumentations included, where parts 1 and 2 need torch alone)."""
-    from engine.config import load_config
-    from engine.distributed import setup_distributed
-    from engine.trainer import Trainer
+    from syncseg.engine.config import load_config
+    from syncseg.engine.distributed import setup_distributed
+    from syncseg.engine.trainer import Trainer
 
     return load_config, setup_distributed, Trainer
 

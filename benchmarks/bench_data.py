@@ -28,10 +28,10 @@ from PIL import Image
 
 from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, time_interleaved
 from benchmarks.common import write_record
-from data.base import palette_image, read_image, read_index_mask
-from data.synthetic import SyntheticShapes, render_shapes
-from data.transforms import PairTransform, build_train_augmentation
-from data.voc import VOC_PALETTE, VOCSegmentation
+from syncseg.data.base import palette_image, read_image, read_index_mask
+from syncseg.data.synthetic import SyntheticShapes, render_shapes
+from syncseg.data.transforms import PairTransform, build_train_augmentation
+from syncseg.data.voc import VOC_PALETTE, VOCSegmentation
 
 
 def make_pairs(root: Path, count: int) -> list[str]:

@@ -2,13 +2,13 @@
 
 Confusion matrix (a batch of 8 x 513 x 513 with 21 classes, ~10% ignore pixels), variants timed
 interleaved over several rounds:
-  ours_int64      engine.confusion.ConfusionMatrix.update on int64 prediction and target (as from argmax / masks)
+  ours_int64      syncseg.engine.confusion.ConfusionMatrix.update on int64 prediction and target (as from argmax / masks)
   ours_uint8      the same with a uint8 target
   numpy_bincount  the classic numpy implementation: mask = (t >= 0) & (t < C); bincount(C * t[mask] + p[mask])
   torch_masked    the same in torch with boolean masking (what a first torch port usually looks like)
 All variants must produce the same matrix (checked). Target (issue 4): ours_int64 >= 3x numpy_bincount.
 
-Inference: engine.inference.predict with a small DeepLabV3+ / ResNet-18, mode whole vs slide (and
+Inference: syncseg.engine.inference.predict with a small DeepLabV3+ / ResNet-18, mode whole vs slide (and
 slide + flip), images/s. Target (issue 13): slide / whole <= 1.15 at equal pixels, i.e. the time per
 window pixel of sliding-window inference against the time per pixel of whole-image inference (the
 windows overlap, so they cover more pixels than the image).
@@ -30,11 +30,11 @@ import torch
 
 from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, time_interleaved
 from benchmarks.common import write_record
-from data.transforms import IGNORE_INDEX
-from engine.config import EvalConfig, ModelConfig
-from engine.inference import eval_settings, predict, window_starts
-from engine.confusion import ConfusionMatrix
-from model.builder import build_model
+from syncseg.data.transforms import IGNORE_INDEX
+from syncseg.engine.config import EvalConfig, ModelConfig
+from syncseg.engine.inference import eval_settings, predict, window_starts
+from syncseg.engine.confusion import ConfusionMatrix
+from syncseg.model.builder import build_model
 
 
 def numpy_bincount(pred: np.ndarray, target: np.ndarray, num_classes: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Cost of one optimizer step: the fused kernels engine.optim.build_optimizer picks against torch's
+"""Cost of one optimizer step: the fused kernels syncseg.engine.optim.build_optimizer picks against torch's
 default on a CPU (a loop over the parameters, one tensor at a time).
 
 The config's model (its parameters as the trainer groups them, random gradients) and two optimizers per
@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.config import load_config
-    from engine.optim import build_optimizer, build_param_groups
-    from model.builder import build_model
+    from syncseg.engine.config import load_config
+    from syncseg.engine.optim import build_optimizer, build_param_groups
+    from syncseg.model.builder import build_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Cost of the per-step stop agreement (engine.signals.StopRequest.agreed) in a training loop.
+"""Cost of the per-step stop agreement (syncseg.engine.signals.StopRequest.agreed) in a training loop.
 
 Two processes on loopback (gloo, one torch thread each, so each has a core) build the config's Trainer
 (DDP) and a few batches loaded beforehand. Three variants run interleaved in rounds (a balanced order, the
@@ -26,11 +26,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
     import torch
 
-    from engine.config import load_config
-    from engine.distributed import cleanup, setup_distributed
-    from engine.samplers import train_steps
-    from engine.signals import StopRequest
-    from engine.trainer import Trainer
+    from syncseg.engine.config import load_config
+    from syncseg.engine.distributed import cleanup, setup_distributed
+    from syncseg.engine.samplers import train_steps
+    from syncseg.engine.signals import StopRequest
+    from syncseg.engine.trainer import Trainer
 
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -43,7 +43,7 @@ from torch import nn
 
 from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, summary, time_interleaved
 from benchmarks.common import write_record
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
 SHAPES = [(8, 64, 128, 128), (4, 256, 65, 65), (16, 512, 33, 33)]
 COMM_PASSES = 32

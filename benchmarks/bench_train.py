@@ -44,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from data.transforms import normalize_batch
-    from engine.config import load_config
-    from engine.distributed import setup_distributed
-    from engine.devices import autocast_for
-    from engine.samplers import train_batches
-    from engine.trainer import Trainer
+    from syncseg.data.transforms import normalize_batch
+    from syncseg.engine.config import load_config
+    from syncseg.engine.distributed import setup_distributed
+    from syncseg.engine.devices import autocast_for
+    from syncseg.engine.samplers import train_batches
+    from syncseg.engine.trainer import Trainer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,7 +5,7 @@
 `torch._dynamo.explain` (Dynamo only: no code generation, so nothing here is timed) on two gloo processes
 over loopback and on one process, for three models: a conv-BN-ReLU-conv-BN net, and the DeepLabV3+ / ResNet-18
 that `build_model` makes with `norm=syncbn`. "before" is the layer as it was: the eager path while tracing
-(`model.sync_batchnorm.batchnorm.is_compiling` patched to say no, so the layer never takes
+(`syncseg.model.sync_batchnorm.batchnorm.is_compiling` patched to say no, so the layer never takes
 model/sync_batchnorm/compiled.py). "before, layer excluded" is what torch.compile could make of that layer
 at best where it synchronizes: its forward behind `torch.compiler.disable`, a graph break at each call.
 "after" is the package as it is. Rank 0 prints the table; both ranks trace, since the layers' collectives
@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from engine.config import ModelConfig
-from model.builder import build_model
-from model.sync_batchnorm import SynchronizedBatchNorm2d, batchnorm, name_synchronized_layers, set_sbn_eps_mode
+from syncseg.engine.config import ModelConfig
+from syncseg.model.builder import build_model
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d, batchnorm, name_synchronized_layers, set_sbn_eps_mode
 
 
 class ConvNet(nn.Module):

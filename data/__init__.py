@@ -1,9 +1,9 @@
 """Segmentation datasets (VOC, Cityscapes, ADE20K, synthetic, folder) and their albumentations pipelines.
 
 Every dataset yields (image: uint8 tensor 3xHxW, mask: int64 tensor HxW, `ignore_index` = unlabeled;
-a folder dataset's images are data.in_channels x H x W, uint16 above data.max_value 255: data.images)
+a folder dataset's images are data.in_channels x H x W, uint16 above data.max_value 255: syncseg.data.images)
 and carries `classes`, `palette` (num_classes x 3 uint8), `num_classes`, `ignore_index` and
-`name_of(index)`. Normalization happens later, on the device, with `data.transforms.normalize_batch`.
+`name_of(index)`. Normalization happens later, on the device, with `syncseg.data.transforms.normalize_batch`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 
 # albumentations asks PyPI for a newer version when it is imported (a 2 s timeout and a warning on
 # every start without network). Nothing in syncseg may touch the network, so the check is switched
-# off here, before data.transforms imports albumentations (every import of a data module runs this
+# off here, before syncseg.data.transforms imports albumentations (every import of a data module runs this
 # file first). Set unconditionally: a user's own setting of the variable must not turn it back on.
 os.environ["NO_ALBUMENTATIONS_UPDATE"] = "1"
 
@@ -19,16 +19,16 @@ from typing import Any, Callable  # noqa: E402
 
 from torch.utils.data import Dataset  # noqa: E402
 
-from data.ade20k import ADE20K_CLASSES, ADE20KSegmentation  # noqa: E402
-from data.base import (IGNORE_COLOR, BadSampleError, SegmentationDataset, bit_palette, check_masks_at_start,  # noqa: E402
+from syncseg.data.ade20k import ADE20K_CLASSES, ADE20KSegmentation  # noqa: E402
+from syncseg.data.base import (IGNORE_COLOR, BadSampleError, SegmentationDataset, bit_palette, check_masks_at_start,  # noqa: E402
                        palette_image, palette_table)
-from data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation  # noqa: E402
-from data.folder import FolderSegmentation  # noqa: E402
-from data.images import ImageFormat  # noqa: E402
-from data.masks import IGNORE  # noqa: E402
-from data.synthetic import DEFAULT_NUM_CLASSES, SyntheticShapes  # noqa: E402
-from data.transforms import PairTransform, build_eval_transform, build_train_transform, normalize_batch  # noqa: E402
-from data.voc import VOC_CLASSES, VOCSegmentation  # noqa: E402
+from syncseg.data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation  # noqa: E402
+from syncseg.data.folder import FolderSegmentation  # noqa: E402
+from syncseg.data.images import ImageFormat  # noqa: E402
+from syncseg.data.masks import IGNORE  # noqa: E402
+from syncseg.data.synthetic import DEFAULT_NUM_CLASSES, SyntheticShapes  # noqa: E402
+from syncseg.data.transforms import PairTransform, build_eval_transform, build_train_transform, normalize_batch  # noqa: E402
+from syncseg.data.voc import VOC_CLASSES, VOCSegmentation  # noqa: E402
 
 __all__ = [
     "ADE20KSegmentation", "FIXED_NUM_CLASSES", "IGNORE", "IGNORE_COLOR", "BadSampleError", "CityscapesSegmentation",
@@ -36,7 +36,7 @@ __all__ = [
     "check_masks_at_start", "normalize_batch", "palette_image", "palette_table",
 ]
 
-# the class count of each dataset whose class list comes with it (engine.config checks label maps against it)
+# the class count of each dataset whose class list comes with it (syncseg.engine.config checks label maps against it)
 FIXED_NUM_CLASSES = {"voc": len(VOC_CLASSES), "cityscapes": len(CITYSCAPES_CLASSES), "ade20k": len(ADE20K_CLASSES)}
 
 
@@ -81,7 +81,7 @@ def _synthetic(data_cfg: Any, split: str, transform: PairTransform) -> Dataset:
     )
 
 
-# data.dataset -> constructor; the names are engine.config's data.dataset choices
+# data.dataset -> constructor; the names are syncseg.engine.config's data.dataset choices
 DATASETS: dict[str, Callable[[Any, str, PairTransform], Dataset]] = {
     "voc": _voc, "cityscapes": _cityscapes, "ade20k": _ade20k, "synthetic": _synthetic, "folder": _folder,
 }

@@ -19,8 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from data.base import LabelTarget, SegmentationDataset, Transform
-from data.transforms import IGNORE_INDEX
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform
+from syncseg.data.transforms import IGNORE_INDEX
 
 # (class name, color) for classes 0..149, i.e. raw annotation values 1..150
 _CLASSES = (

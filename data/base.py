@@ -1,9 +1,9 @@
 """File-backed segmentation datasets: decoding, validation, bad-sample policy, palettes.
 
 A sample on disk is an image (8-bit RGB in any format cv2 reads, or the data.in_channels /
-data.max_value format of data.images) and a mask of the same size: a single-channel
+data.max_value format of syncseg.data.images) and a mask of the same size: a single-channel
 index PNG (palette PNGs are read as indices, never as colors) or, with data.class_colors, a colour-coded
-one (data.masks reads both through one table). Each dataset subclass only lists its (image, mask) pairs
+one (syncseg.data.masks reads both through one table). Each dataset subclass only lists its (image, mask) pairs
 and its class names; this module does the rest.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from data.images import ImageFormat, read_image, read_stored_image
-from data.masks import BadSampleError, LabelTarget, MaskDecoder, MaskSampleReport, inspect_masks, read_index_mask
-from data.transforms import IGNORE_INDEX, to_tensors
+from syncseg.data.images import ImageFormat, read_image, read_stored_image
+from syncseg.data.masks import BadSampleError, LabelTarget, MaskDecoder, MaskSampleReport, inspect_masks, read_index_mask
+from syncseg.data.transforms import IGNORE_INDEX, to_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ def palette_image(mask: np.ndarray, palette: np.ndarray, *, ignore_index: int = 
 class SegmentationDataset(Dataset):
     """(image, mask) file pairs -> (image tensor CxHxW, int64 tensor HxW with `ignore_index` = ignore).
 
-    Images are read in `image_format` (data.images.ImageFormat: 8-bit RGB by default, uint8 3xHxW).
+    Images are read in `image_format` (syncseg.data.images.ImageFormat: 8-bit RGB by default, uint8 3xHxW).
 
-    Masks become labels through one data.masks.MaskDecoder: without `raw_table` the raw values
+    Masks become labels through one syncseg.data.masks.MaskDecoder: without `raw_table` the raw values
     0..num_classes-1 are the classes; with it (e.g. Cityscapes labelIds -> trainIds) raw values below
     `num_raw_labels` map through the table, whose `raw_table_ignore` entries mean "ignored". The raw
     value `raw_ignore` (default: `ignore_index`, the value the files use for unlabeled pixels) maps to
@@ -180,7 +180,7 @@ class SegmentationDataset(Dataset):
         return image, self.masks.to_labels(raw, mask_path)
 
     def inspect_masks(self, limit: int) -> MaskSampleReport:
-        """data.masks.inspect_masks on `limit` masks spread evenly over the split (all when limit <= 0)."""
+        """syncseg.data.masks.inspect_masks on `limit` masks spread evenly over the split (all when limit <= 0)."""
         count = len(self) if limit <= 0 else min(limit, len(self))
         indices = np.unique(np.linspace(0, len(self) - 1, count).round().astype(int)) if count else []
         return inspect_masks([self.samples[i][1] for i in indices], self.masks, description=self.description)

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from data.base import LabelTarget, SegmentationDataset, Transform
-from data.transforms import IGNORE_INDEX
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform
+from syncseg.data.transforms import IGNORE_INDEX
 
 TABLE_IGNORE = 255  # the official tables' trainId for labels left out of training and evaluation
 

@@ -2,11 +2,11 @@
 
 Layout under `root`:
     images/<name>.{jpg,jpeg,png,bmp,tif,tiff,webp}   8-bit RGB, or 1 / N channels, 8 / 16 bits as
-                                        data.in_channels and data.max_value say (data.images)
+                                        data.in_channels and data.max_value say (syncseg.data.images)
     masks/<name>.png                    single-channel index PNGs (palette or grayscale); the value
                                         data.ignore_index (default 255) marks unlabeled pixels; other
                                         values through data.label_map / data.reduce_zero_label, colour
-                                        masks through data.class_colors (data.masks)
+                                        masks through data.class_colors (syncseg.data.masks)
     <split>.txt                         optional: one image stem per line
 Split resolution: `root/<split>.txt` if it exists, else subfolders `images/<split>/` + `masks/<split>/`,
 else split "all" takes every image in images/.
@@ -16,9 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
-from data.images import ImageFormat
-from data.transforms import IGNORE_INDEX
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
+from syncseg.data.images import ImageFormat
+from syncseg.data.transforms import IGNORE_INDEX
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 LAYOUT = (

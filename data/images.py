@@ -10,7 +10,7 @@ The config's `ImageFormat` chooses one of two readers:
   format's is a BadSampleError naming the file, what it holds and what the config expects.
 
 The bit depth follows data.max_value: up to 255 the images are 8-bit (uint8), above it 16-bit (uint16);
-batches keep that type to the device, where data.transforms.normalize_batch divides by data.max_value.
+batches keep that type to the device, where syncseg.data.transforms.normalize_batch divides by data.max_value.
 cv2 decodes colour as BGR(A); 3- and 4-channel files come back in their stored RGB(A) order, so an
 RGB-NIR image saved as a 4-channel PNG is R, G, B, NIR.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from data.masks import BadSampleError
+from syncseg.data.masks import BadSampleError
 
 RGB_CHANNELS = 3  # data.in_channels' default
 MAX_CHANNELS = 128  # data.in_channels' limit: cv2 (resize, flip: the augmentations) refuses images of more

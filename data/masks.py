@@ -115,7 +115,7 @@ class MaskDecoder:
     0..num_classes-1 are the classes. `raw_ignore` is the value the files use for unlabeled pixels.
     `label_map` ((raw, class or IGNORE), ...), `reduce_zero_label` and `class_colors`
     (((R, G, B), class or IGNORE), ...) are data.label_map, data.reduce_zero_label and
-    data.class_colors, validated by engine.config.
+    data.class_colors, validated by syncseg.engine.config.
     """
 
     def __init__(self, *, num_classes: int, ignore_index: int, raw_ignore: int,

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.base import bit_palette
-from data.transforms import IGNORE_INDEX, to_tensors
+from syncseg.data.base import bit_palette
+from syncseg.data.transforms import IGNORE_INDEX, to_tensors
 
 SHAPE_NAMES = ("disc", "rectangle", "triangle", "ring", "cross", "star", "hexagon")
 DEFAULT_NUM_CLASSES = 6  # background + the first five shapes

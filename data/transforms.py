@@ -1,10 +1,10 @@
 """Albumentations pipelines for (image, mask) pairs and the one device-side normalization.
 
-Images stay integers (uint8, or uint16 for 16-bit data: data.images) from decoding to the training
+Images stay integers (uint8, or uint16 for 16-bit data: syncseg.data.images) from decoding to the training
 device: the host does geometry only, and `normalize_batch` turns a batch into float32 on whatever
 device it lives on. Training, evaluation and prediction all call `normalize_batch`, so data.max_value,
 mean and std live in one place. The geometry works on any channel count; the photometric steps are
-for 8-bit RGB (engine.config refuses data.photometric for other images).
+for 8-bit RGB (syncseg.engine.config refuses data.photometric for other images).
 
 Randomness: `PairTransform` draws one seed per sample from torch's global generator and seeds the
 albumentations pipeline with it. Inside DataLoader workers torch seeds that generator per worker
@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from albumentations.core.transforms_interface import DualTransform
 
-from data.images import MAX_8BIT
+from syncseg.data.images import MAX_8BIT
 
 logger = logging.getLogger(__name__)
 
-# The defaults of data.ignore_index, data.mean and data.std (engine/config/schema.py reads them from here).
+# The defaults of data.ignore_index, data.mean and data.std (syncseg/engine/config/schema.py reads them from here).
 IGNORE_INDEX = 255
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # 0-1 units (x / data.max_value), RGB
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
-from data.transforms import IGNORE_INDEX
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
+from syncseg.data.transforms import IGNORE_INDEX
 
 VOC_CLASSES = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",

@@ -43,9 +43,9 @@ import torchvision
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
-from model.input_channels import RGB, adapt_input_channels
-from model.norm import NormLayer
-from model.timm_encoder import build_timm_backbone, timm_model_name
+from syncseg.model.input_channels import RGB, adapt_input_channels
+from syncseg.model.norm import NormLayer
+from syncseg.model.timm_encoder import build_timm_backbone, timm_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> M
     return backbone
 
 
-# backbone name -> constructor(output_stride=, norm_layer=); the names are engine.config's model.backbone choices
+# backbone name -> constructor(output_stride=, norm_layer=); the names are syncseg.engine.config's model.backbone choices
 _CONSTRUCTORS: dict[str, Callable[..., nn.Module]] = {
     "resnet18": functools.partial(_build_resnet, "resnet18"),
     "resnet34": functools.partial(_build_resnet, "resnet34"),
@@ -287,7 +287,7 @@ def unwrap_state_dict(loaded: Any) -> tuple[dict[str, Tensor] | None, str]:
 
 
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
-    # model/ may not import engine/checkpoint.py (import rule), so this is the one torch.load outside it.
+    # model/ may not import syncseg/engine/checkpoint.py (import rule), so this is the one torch.load outside it.
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # corrupt / not a torch file

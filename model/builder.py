@@ -1,6 +1,6 @@
 """build_model(model_cfg, num_classes), optimizer parameter groups and fine-tuning weight loading.
 
-The settings come from a validated `model` config section (engine.config.ModelConfig); nothing here
+The settings come from a validated `model` config section (syncseg.engine.config.ModelConfig); nothing here
 re-checks them. Normalization (`model.norm`) is chosen by model/norm.py.
 
 Key names: for `deeplabv3`, our state dict keys equal torchvision's DeepLabV3 keys (`backbone.*`,
@@ -16,12 +16,12 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from model.backbones import build_backbone
-from model.deeplab import DeepLab
-from model.heads import DeepLabV3Head, DeepLabV3PlusHead, FCNHead, aspp_rates_for
-from model.input_channels import RGB, describe_rule, first_convolution, rgb_filters_for
-from model.norm import NormLayer, norm_layers
-from model.sync_batchnorm import name_synchronized_layers
+from syncseg.model.backbones import build_backbone
+from syncseg.model.deeplab import DeepLab
+from syncseg.model.heads import DeepLabV3Head, DeepLabV3PlusHead, FCNHead, aspp_rates_for
+from syncseg.model.input_channels import RGB, describe_rule, first_convolution, rgb_filters_for
+from syncseg.model.norm import NormLayer, norm_layers
+from syncseg.model.sync_batchnorm import name_synchronized_layers
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +40,13 @@ def _build_deeplabv3plus_head(backbone: nn.Module, num_classes: int, rates: tupl
     )
 
 
-# model.arch -> head constructor; the names are engine.config's model.arch choices
+# model.arch -> head constructor; the names are syncseg.engine.config's model.arch choices
 HEADS = {"deeplabv3": _build_deeplabv3_head, "deeplabv3plus": _build_deeplabv3plus_head}
 
 
 def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB,
                 channels_last: bool | None = None) -> DeepLab:
-    """A DeepLab network for `model_cfg` (engine.config.ModelConfig) predicting `num_classes` classes from
+    """A DeepLab network for `model_cfg` (syncseg.engine.config.ModelConfig) predicting `num_classes` classes from
     images of `in_channels` channels (data.in_channels; other than 3 adapts the backbone's first
     convolution: model/input_channels.py).
 
@@ -54,7 +54,7 @@ def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB,
     model_cfg.aux_loss. Pretrained backbone weights are loaded here (model_cfg.pretrained_backbone);
     model_cfg.init_checkpoint is left to the trainer (load_segmentation_weights). Raises ValueError for
     a class count that is not a positive integer, FileNotFoundError for missing weight files.
-    `channels_last`: the layout the caller resolved for model_cfg.channels_last (engine.devices.
+    `channels_last`: the layout the caller resolved for model_cfg.channels_last (syncseg.engine.devices.
     resolve_channels_last: "auto" depends on device and precision); None takes model_cfg.channels_last as
     given, "auto" as the usual layout.
     """

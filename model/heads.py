@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from model.norm import NormLayer
+from syncseg.model.norm import NormLayer
 
 # The one place where output stride becomes ASPP rates (DeepLabV3 paper, section 4.1).
 _ASPP_RATES = {32: (3, 6, 9), 16: (6, 12, 18), 8: (12, 24, 36)}

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
-from model.sync_batchnorm import SynchronizedBatchNorm2d, adopt_norm_state
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d, adopt_norm_state
 
 
 class NormLayer(Protocol):
@@ -43,7 +43,7 @@ def _frozen(num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1) -> n
     return FrozenBatchNorm2d(num_channels, eps=eps)
 
 
-# kind -> (backbone norm, head norm); the kinds are engine.config's `model.norm` choices
+# kind -> (backbone norm, head norm); the kinds are syncseg.engine.config's `model.norm` choices
 _LAYERS: dict[str, tuple[Callable[..., nn.Module], Callable[..., nn.Module]]] = {
     "syncbn": (_synchronized, _synchronized),
     "bn": (_batch_norm, _batch_norm),

@@ -10,7 +10,7 @@ build other keys).
 Feature maps, from timm's feature_info: `out` is the last one, `aux` the one before it (ResNet's
 layer3), `low_level` the last one at output stride 4 (the DeepLabV3+ decoder's input; the first one
 when none is at 4). The backbone norm of `model.norm` replaces the encoder's BatchNorm2d layers
-(model.norm.adopt_batch_norms); encoders with LayerNorm or GroupNorm keep theirs.
+(syncseg.model.norm.adopt_batch_norms); encoders with LayerNorm or GroupNorm keep theirs.
 
 Weights are never downloaded. `model.pretrained_backbone`: "none" (timm's initialization); a path to a
 timm checkpoint of that model (classification weights are fine: timm's own loader drops the head);
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
 
-TIMM_PREFIX = "timm:"  # model.backbone values with this prefix name a timm encoder (engine.config checks the form)
+TIMM_PREFIX = "timm:"  # model.backbone values with this prefix name a timm encoder (syncseg.engine.config checks the form)
 
 
 def timm_model_name(backbone: str) -> str | None:
@@ -138,7 +138,7 @@ def build_timm_backbone(name: str, *, output_stride: int, norm_layer: Callable[.
     FileNotFoundError for missing weight files."""
     import timm
 
-    from model.norm import adopt_batch_norms
+    from syncseg.model.norm import adopt_batch_norms
 
     key = f"model.backbone=timm:{name}"
     if name.startswith(("hf-hub:", "hf_hub:")):

@@ -11,16 +11,16 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-import engine.build
+import syncseg.engine.build
 
 
 @contextlib.contextmanager
 def trainers_in_float64() -> Iterator[None]:
     """Trainers built inside convert their model to float64 before DDP / DataParallel wraps it (the model
     casts its float32 inputs; the loss stays float64)."""
-    wrap = engine.build.wrap_for_training
-    engine.build.wrap_for_training = lambda model, dist_info: wrap(model.double(), dist_info)
+    wrap = syncseg.engine.build.wrap_for_training
+    syncseg.engine.build.wrap_for_training = lambda model, dist_info: wrap(model.double(), dist_info)
     try:
         yield
     finally:
-        engine.build.wrap_for_training = wrap
+        syncseg.engine.build.wrap_for_training = wrap

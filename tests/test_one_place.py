@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "model", "data", "scripts")
+PACKAGES = ("syncseg/engine", "syncseg/commands", "model", "data", "scripts")
 
 
 # the sync_batchnorm distribution's own tests, and the build folder `pip install ./model/sync_batchnorm` leaves
@@ -40,28 +40,29 @@ def _files_matching(pattern: str) -> list[str]:
     (r"_forward_pre_hooks", ["model/sync_batchnorm/conversion.py"]),
     # autocast for a precision (the app's); the standalone package only turns it off for its statistics (eager
     # and compiled) and re-enters the caller's in replica threads
-    (r"torch\.autocast\(", ["engine/devices.py", "model/sync_batchnorm/batchnorm.py",
-                            "model/sync_batchnorm/compiled.py", "model/sync_batchnorm/replicate.py"]),
+    (r"torch\.autocast\(", ["model/sync_batchnorm/batchnorm.py", "model/sync_batchnorm/compiled.py",
+                            "model/sync_batchnorm/replicate.py", "syncseg/engine/devices.py"]),
     # normalization of uint8 images (mean / std)
     (r"def normalize_batch\(", ["data/transforms.py"]),
-    (r"normalize_batch\(", ["data/transforms.py", "engine/inference.py", "engine/precise_bn.py", "engine/trainer.py"]),
+    (r"normalize_batch\(", ["data/transforms.py", "syncseg/engine/inference.py", "syncseg/engine/precise_bn.py",
+                             "syncseg/engine/trainer.py"]),
     # the training payload is written by Trainer.state_dict only
-    (r"\"scheduler\": ", ["engine/trainer.py"]),
+    (r"\"scheduler\": ", ["syncseg/engine/trainer.py"]),
 ])
 def test_stated_once(pattern, where):
     assert _files_matching(pattern) == where
 
 
 def test_the_confusion_matrix_has_no_ignore_label_of_its_own():
-    from engine.confusion import ConfusionMatrix
+    from syncseg.engine.confusion import ConfusionMatrix
 
     assert inspect.signature(ConfusionMatrix).parameters["ignore_index"].default is inspect.Parameter.empty
 
 
 def test_loss_and_inference_settings_have_no_defaults_of_their_own():
     """Their defaults are the schema's (TrainConfig / EvalConfig): build_loss and eval_settings pass them."""
-    from engine.inference import predict
-    from engine.loss import SegmentationLoss
+    from syncseg.engine.inference import predict
+    from syncseg.engine.loss import SegmentationLoss
 
     loss = inspect.signature(SegmentationLoss).parameters
     assert all(loss[name].default is inspect.Parameter.empty
@@ -72,4 +73,4 @@ def test_loss_and_inference_settings_have_no_defaults_of_their_own():
 
 
 def test_the_ohem_accumulate_rule_is_the_schemas():
-    assert _files_matching(r"train\.ohem with train\.accumulate") == ["engine/config/schema.py"]
+    assert _files_matching(r"train\.ohem with train\.accumulate") == ["syncseg/engine/config/schema.py"]

@@ -28,7 +28,7 @@ def _python_dirs(top: str) -> list[Path]:
             and not any(Path(folder).is_relative_to(skipped) for skipped in _NOT_PACKAGES)]
 
 
-@pytest.mark.parametrize("top", ["engine", "model", "data"])
+@pytest.mark.parametrize("top", ["syncseg", "model", "data"])
 def test_every_folder_with_python_files_is_a_package(top):
     """setuptools' package finder (namespaces off) skips a folder without __init__.py: an editable install
     would then leave it unimportable from outside the checkout (engine/ once had none)."""
@@ -65,6 +65,6 @@ def test_installed_commands_run_from_any_folder(tmp_path):
         done = subprocess.run([str(bin_dir / command), "--help"], cwd=tmp_path, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0 and "usage:" in done.stdout, (command, done.stderr[-2000:])
-    done = subprocess.run([sys.executable, "-c", "import engine.trainer, engine.build, scripts.predict"],
+    done = subprocess.run([sys.executable, "-c", "import syncseg.engine.trainer, syncseg.engine.build, syncseg.commands.predict"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 0, done.stderr[-2000:]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import train
-from engine.distributed import DistInfo, Launch
+from syncseg.commands import train
+from syncseg.engine.distributed import DistInfo, Launch
 
 
 def _args(**values) -> argparse.Namespace:

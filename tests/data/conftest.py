@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data.base import palette_image
-from data.synthetic import render_shapes
-from data.voc import VOC_PALETTE
+from syncseg.data.base import palette_image
+from syncseg.data.synthetic import render_shapes
+from syncseg.data.voc import VOC_PALETTE
 
 
 def synthetic_pair(index: int, size: int = 48, *, num_classes: int = 6, seed: int = 123):

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import data
-from data.ade20k import ADE20K_CLASSES, ADE20K_PALETTE, CLASS_TO_RAW, RAW_TO_CLASS, ADE20KSegmentation
-from data.base import BadSampleError
-from engine.config import DataConfig
-from engine.config import load_config
+from syncseg import data
+from syncseg.data.ade20k import ADE20K_CLASSES, ADE20K_PALETTE, CLASS_TO_RAW, RAW_TO_CLASS, ADE20KSegmentation
+from syncseg.data.base import BadSampleError
+from syncseg.engine.config import DataConfig
+from syncseg.engine.config import load_config
 
 
 def test_classes_and_palette_are_the_benchmarks_150():
@@ -69,7 +69,7 @@ def test_recipe_and_verify_dataset_report_the_official_counts(ade20k_root, capsy
     root, masks = ade20k_root
     config = load_config("ade20k.yaml", [f"data.root={root}"])
     assert (config.data.train_split, config.data.val_split) == ("training", "validation")
-    verify = importlib.import_module("scripts.verify_dataset")
+    verify = importlib.import_module("syncseg.commands.verify_dataset")
     assert verify.main(["--config", "ade20k.yaml", f"data.root={root}"]) == 0
     text = capsys.readouterr().out
     assert "[ade20k training] 3 samples (INCOMPLETE: the full split has 20210)" in text

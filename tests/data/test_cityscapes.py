@@ -3,15 +3,15 @@ import pytest
 import torch
 from PIL import Image
 
-import data
-from data.cityscapes import (
+from syncseg import data
+from syncseg.data.cityscapes import (
     CITYSCAPES_CLASSES,
     CITYSCAPES_PALETTE,
     LABELID_TO_TRAINID,
     TRAINID_TO_LABELID,
     CityscapesSegmentation,
 )
-from engine.config import DataConfig
+from syncseg.engine.config import DataConfig
 
 labels_module = pytest.importorskip("cityscapesscripts.helpers.labels")
 

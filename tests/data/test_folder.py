@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import data
-from data.folder import FolderSegmentation
-from engine.config import DataConfig
+from syncseg import data
+from syncseg.data.folder import FolderSegmentation
+from syncseg.engine.config import DataConfig
 from tests.data.conftest import synthetic_pair, write_rgb
 
 

@@ -9,10 +9,10 @@ import tifffile
 import torch
 from PIL import Image
 
-import data
-from data.images import ImageFormat, display_rgb, read_image, read_stored_image
-from data.masks import BadSampleError
-from engine.config import DataConfig
+from syncseg import data
+from syncseg.data.images import ImageFormat, display_rgb, read_image, read_stored_image
+from syncseg.data.masks import BadSampleError
+from syncseg.engine.config import DataConfig
 from tests.data.conftest import make_image_folder
 
 TWELVE_BIT = ImageFormat(channels=1, max_value=4095)

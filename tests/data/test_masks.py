@@ -1,4 +1,4 @@
-"""Mask encodings (data.masks): label maps over every dataset's own table, reduce_zero_label, colour-coded
+"""Mask encodings (syncseg.data.masks): label maps over every dataset's own table, reduce_zero_label, colour-coded
 masks equal to index masks, and the start-up look at a sample of masks (binary 0/255, grey levels, RGB)."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-import data
-from data.base import START_CHECK_MASKS, check_masks_at_start
-from data.cityscapes import CityscapesSegmentation
-from data.masks import IGNORE, BadSampleError, MaskDecoder, suggested_label_map
-from engine.config import load_config
+from syncseg import data
+from syncseg.data.base import START_CHECK_MASKS, check_masks_at_start
+from syncseg.data.cityscapes import CityscapesSegmentation
+from syncseg.data.masks import IGNORE, BadSampleError, MaskDecoder, suggested_label_map
+from syncseg.engine.config import load_config
 from tests.data.conftest import synthetic_pair, write_rgb
 
 NUM_CLASSES = 4
@@ -154,14 +154,14 @@ def test_binary_0_255_masks_with_two_classes_warn_with_the_fix(tmp_path, caplog)
     mask = np.zeros((16, 16), dtype=np.uint8)
     mask[4:10, 4:10] = 255
     _folder(tmp_path, {"a": mask, "b": mask[::-1].copy()})
-    with caplog.at_level(logging.WARNING, logger="data.base"):
+    with caplog.at_level(logging.WARNING, logger="syncseg.data.base"):
         report = check_masks_at_start(_dataset(tmp_path, "data.num_classes=2"))
     assert report.fix == "255:1" and len(report.warnings) == 1
     assert ("the 2 masks checked hold only the values 0 and 255, and with data.num_classes=2 the value 255 is "
             "data.ignore_index: those pixels are ignored") in caplog.text
     assert "set data.label_map: {255: 1} in the config (command line: data.label_map=255:1)" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="data.base"):
+    with caplog.at_level(logging.WARNING, logger="syncseg.data.base"):
         assert check_masks_at_start(_dataset(tmp_path, "data.num_classes=2", "data.label_map=255:1")).warnings == []
     assert caplog.text == ""
 
@@ -204,7 +204,7 @@ def test_the_start_up_check_reads_a_bounded_sample_spread_over_the_split(tmp_pat
                                              r"bad\)"):
         check_masks_at_start(dataset)
     skipping = _dataset(tmp_path, "data.skip_bad_samples=true")
-    with caplog.at_level(logging.WARNING, logger="data.base"):
+    with caplog.at_level(logging.WARNING, logger="syncseg.data.base"):
         check_masks_at_start(skipping)
     assert "m39.png" in caplog.text and "data.skip_bad_samples=true skips such samples" in caplog.text
     assert check_masks_at_start(data.build_dataset(load_config("demo.yaml").data, "val", train=False)) is None

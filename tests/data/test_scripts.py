@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from data.voc import VOCSegmentation
+from syncseg.data.voc import VOCSegmentation
 from tests.data.conftest import make_voc_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_prepare_voc_errors_name_the_folder(tmp_path, capsys):
     prepare_voc = _load_script("prepare_voc")
     make_voc_tree(tmp_path / "VOC2012")
     assert prepare_voc.main(["--voc-root", str(tmp_path / "VOC2012"), "--sbd-root", str(tmp_path / "nope")]) == 2
-    error = capsys.readouterr().err  # one line of engine/cli.py's contract: bad input, exit 2
+    error = capsys.readouterr().err  # one line of syncseg/engine/cli.py's contract: bad input, exit 2
     assert re.fullmatch(r"\d\d:\d\d:\d\d prepare_voc\.py: error: .*nope.*\n", error), error
 
 

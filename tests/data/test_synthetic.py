@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-import data
-from data.synthetic import SHAPE_NAMES, SyntheticShapes
-from engine.config import DataConfig
+from syncseg import data
+from syncseg.data.synthetic import SHAPE_NAMES, SyntheticShapes
+from syncseg.engine.config import DataConfig
 
 
 def _digest(array: np.ndarray) -> str:
@@ -137,7 +137,7 @@ def test_per_pixel_color_classifier_scores_below_half(color_coded):
 
 
 def test_renders_are_cached_read_only_and_equal_fresh_renders():
-    from data.synthetic import SyntheticShapes
+    from syncseg.data.synthetic import SyntheticShapes
 
     cached = SyntheticShapes(6, 32, seed=3)
     uncached = SyntheticShapes(6, 32, seed=3, cache_bytes=0)

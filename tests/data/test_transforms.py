@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.transforms import (
+from syncseg.data.transforms import (
     PairTransform,
     build_eval_augmentation,
     build_eval_transform,
@@ -12,9 +12,9 @@ from data.transforms import (
     build_train_transform,
     normalize_batch,
 )
-from data.images import MAX_CHANNELS
-from engine.config import DataConfig
-from engine.seeding import worker_init
+from syncseg.data.images import MAX_CHANNELS
+from syncseg.engine.config import DataConfig
+from syncseg.engine.seeding import worker_init
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -163,7 +163,7 @@ def test_two_workers_produce_different_augmentations():
 @pytest.mark.parametrize("scale, top, left", [(1.0, 0, 0), (1.7, 100, 37), (0.6, 0, 0), (1.31, 3, 50), (2.0, 300, 600)])
 def test_random_scale_crop_matches_resize_pad_crop_reference(scale, top, left, crop):
     # Reference: resize the whole image, pad bottom/right (0 / 255), crop at (top, left).
-    from data.transforms import RandomScaleCrop
+    from syncseg.data.transforms import RandomScaleCrop
 
     image, mask = (np.random.default_rng(5).integers(0, 256, (375, 500, 3), dtype=np.uint8),
                    np.random.default_rng(6).integers(0, 21, (375, 500), dtype=np.uint8))
@@ -191,7 +191,7 @@ def test_random_scale_crop_matches_resize_pad_crop_reference(scale, top, left, c
 
 @pytest.mark.parametrize("crop", [(24, 64), (64, 24)])
 def test_rectangular_crops_pad_with_the_ignore_label_and_draw_offsets_per_axis(crop):
-    from data.transforms import RandomScaleCrop
+    from syncseg.data.transforms import RandomScaleCrop
 
     image = np.full((20, 30, 3), 200, dtype=np.uint8)
     mask = np.zeros((20, 30), dtype=np.uint8)

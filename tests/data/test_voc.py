@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-import data
-from data.voc import VOC_CLASSES, VOC_PALETTE, VOCSegmentation
-from engine.config import DataConfig
+from syncseg import data
+from syncseg.data.voc import VOC_CLASSES, VOC_PALETTE, VOCSegmentation
+from syncseg.engine.config import DataConfig
 
 
 def _cfg(root, **overrides):
@@ -92,7 +92,7 @@ def test_bad_samples_raise_naming_the_file_or_are_skipped(voc_root, kind, messag
         dataset[0]
     assert "2007_000010" in str(error.value)
     skipping = VOCSegmentation(root, "val", skip_bad_samples=True)
-    with caplog.at_level(logging.WARNING, logger="data.base"):
+    with caplog.at_level(logging.WARNING, logger="syncseg.data.base"):
         image, mask = skipping[0]
     assert np.array_equal(mask.numpy(), masks["2007_000011"])  # the next good sample
     assert skipping.num_skipped == 1 and "2007_000010" in caplog.text and "1 skipped" in caplog.text

@@ -97,7 +97,7 @@ class SlurmCluster:
         return {**env, "SLURM_CONF": str(self.conf)}
 
     def start(self, *, timeout: float = 30) -> None:
-        try:  # srun's tasks meet at the first node's name (engine.distributed.detect_launch)
+        try:  # srun's tasks meet at the first node's name (syncseg.engine.distributed.detect_launch)
             socket.gethostbyname(self.host)
         except OSError as error:
             raise SlurmUnavailable(f"the hostname {self.host!r} does not resolve ({error})") from None

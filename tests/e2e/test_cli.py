@@ -18,7 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON_CLIS = ["train.py", "eval.py", "scripts/predict.py", "scripts/export.py", "scripts/verify_dataset.py",
                "scripts/prepare_voc.py"]
-MODULES = ["train", "eval", "scripts.predict", "scripts.export", "scripts.verify_dataset", "scripts.prepare_voc"]
+MODULES = ["syncseg.commands.train", "syncseg.commands.eval", "syncseg.commands.predict", "syncseg.commands.export", "syncseg.commands.verify_dataset", "syncseg.commands.prepare_voc"]
 BENCHMARKS = ["benchmarks.bench_syncbn", "benchmarks.bench_model", "benchmarks.bench_data", "benchmarks.bench_eval",
               "benchmarks.bench_train", "benchmarks.bench_cuda"]
 HELP_CPU_SECONDS = 2.0
@@ -34,7 +34,7 @@ def _child_cpu_seconds(command: list[str]) -> tuple[subprocess.CompletedProcess,
 
 
 @pytest.mark.parametrize("command", [[sys.executable, path] for path in PYTHON_CLIS]
-                         + [[sys.executable, "-m", "scripts.predict"], [sys.executable, "-m", "scripts.export"],
+                         + [[sys.executable, "-m", "syncseg.commands.predict"], [sys.executable, "-m", "syncseg.commands.export"],
                             ["bash", "scripts/gpu_check.sh"]], ids=lambda command: " ".join(command[1:]))
 def test_help_is_fast_and_exits_zero(command):
     process, seconds = _child_cpu_seconds([*command, "--help"])
@@ -80,10 +80,10 @@ def test_every_flag_has_a_help_text(module_name, monkeypatch):
 
 
 def test_train_print_config_shows_every_key_and_round_trips(tmp_path, capsys):
-    from engine.config import all_keys
-    from engine.config import flatten, load_config
+    from syncseg.engine.config import all_keys
+    from syncseg.engine.config import flatten, load_config
 
-    train = importlib.import_module("train")
+    train = importlib.import_module("syncseg.commands.train")
     assert train.main(["--config", "demo.yaml", "train.iters=7", "--print-config"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("# train.py config: --config demo.yaml with train.iters=7")
@@ -97,13 +97,13 @@ def test_train_print_config_shows_every_key_and_round_trips(tmp_path, capsys):
 
 
 def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, capsys):
-    from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-    from engine.config import load_config, to_dict
+    from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+    from syncseg.engine.config import load_config, to_dict
 
     config = load_config("demo.yaml", [f"output_dir={tmp_path}", "train.iters=9", "eval.mode=whole"])
     save_checkpoint(tmp_path / "last.pt", {"format_version": FORMAT_VERSION, "model": {}, "config": to_dict(config),
                                            "classes": ["a"], "iteration": 3})
-    train = importlib.import_module("train")
+    train = importlib.import_module("syncseg.commands.train")
     assert train.main(["--config", "demo.yaml", f"output_dir={tmp_path}", "--resume", "auto", "train.iters=20",
                        "--print-config"]) == 0
     text = capsys.readouterr().out
@@ -111,7 +111,7 @@ def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, cap
     assert yaml.safe_load(text)["train"]["iters"] == 20
     assert not (tmp_path / ".lock").exists()  # a preview takes no lock
 
-    evaluate = importlib.import_module("eval")
+    evaluate = importlib.import_module("syncseg.commands.eval")
     assert evaluate.main(["--checkpoint", str(tmp_path / "last.pt"), "--mode", "slide", "eval.stride=100",
                           "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
@@ -121,9 +121,9 @@ def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, cap
     assert "none.pt" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------ the error contract (engine/cli.py)
-CONTRACT_CLIS = {"eval.py": "eval", "scripts/predict.py": "scripts.predict", "scripts/export.py": "scripts.export",
-                 "scripts/verify_dataset.py": "scripts.verify_dataset", "scripts/prepare_voc.py": "scripts.prepare_voc"}
+# ------------------------------------------------------------------ the error contract (syncseg/engine/cli.py)
+CONTRACT_CLIS = {"eval.py": "syncseg.commands.eval", "scripts/predict.py": "syncseg.commands.predict", "scripts/export.py": "syncseg.commands.export",
+                 "scripts/verify_dataset.py": "syncseg.commands.verify_dataset", "scripts/prepare_voc.py": "syncseg.commands.prepare_voc"}
 WORK_FUNCTION = {"scripts/verify_dataset.py": "verify", "scripts/prepare_voc.py": "prepare"}  # default: run
 ERROR_LINE = re.compile(r"\d\d:\d\d:\d\d (\S+): error: (.*)")
 
@@ -131,18 +131,18 @@ ERROR_LINE = re.compile(r"\d\d:\d\d:\d\d (\S+): error: (.*)")
 @pytest.mark.parametrize("path", ["train.py", *CONTRACT_CLIS])
 def test_every_cli_points_to_the_contract_and_prints_no_error_line_of_its_own(path):
     source = (ROOT / path).read_text()
-    docstring = importlib.import_module(CONTRACT_CLIS.get(path, "train")).__doc__
-    assert "engine/cli.py" in docstring, f"{path}'s docstring does not point to engine/cli.py for its exit status"
+    docstring = importlib.import_module(CONTRACT_CLIS.get(path, "syncseg.commands.train")).__doc__
+    assert "syncseg/engine/cli.py" in docstring, f"{path}'s docstring does not point to syncseg/engine/cli.py for its exit status"
     assert not re.search(r"""print\(f?["'][^"']*error:""", source), f"{path} formats an error line itself"
 
 
 def _contract_arguments(module_name: str, tmp_path: Path) -> list[str]:
-    return {"eval": ["--checkpoint", str(tmp_path / "c.pt")],
-            "scripts.predict": ["--checkpoint", str(tmp_path / "c.pt"), "--input", str(tmp_path),
+    return {"syncseg.commands.eval": ["--checkpoint", str(tmp_path / "c.pt")],
+            "syncseg.commands.predict": ["--checkpoint", str(tmp_path / "c.pt"), "--input", str(tmp_path),
                                 "--output", str(tmp_path / "out")],
-            "scripts.export": ["--checkpoint", str(tmp_path / "c.pt"), "--format", "onnx"],
-            "scripts.verify_dataset": ["--config", "demo.yaml"],
-            "scripts.prepare_voc": ["--voc-root", str(tmp_path), "--sbd-root", str(tmp_path)]}[module_name]
+            "syncseg.commands.export": ["--checkpoint", str(tmp_path / "c.pt"), "--format", "onnx"],
+            "syncseg.commands.verify_dataset": ["--config", "demo.yaml"],
+            "syncseg.commands.prepare_voc": ["--voc-root", str(tmp_path), "--sbd-root", str(tmp_path)]}[module_name]
 
 
 @pytest.mark.parametrize("raised,code,message", [
@@ -160,9 +160,9 @@ def test_every_cli_maps_failures_to_the_contract(path, raised, code, message, tm
     # the function holding each CLI's work, under the one run_command
     monkeypatch.setattr(module, WORK_FUNCTION.get(path, "run"), body)
     if path == "eval.py":  # eval.py sets up the launch first
-        import engine.distributed
+        import syncseg.engine.distributed
 
-        monkeypatch.setattr(engine.distributed, "detect_launch", lambda: type("Launch", (), {"world_size": 1})())
+        monkeypatch.setattr(syncseg.engine.distributed, "detect_launch", lambda: type("Launch", (), {"world_size": 1})())
     prog = Path(path).name
     assert module.main(_contract_arguments(CONTRACT_CLIS[path], tmp_path)) == code
     lines = capsys.readouterr().err.strip().splitlines()
@@ -174,7 +174,7 @@ def test_every_cli_maps_failures_to_the_contract(path, raised, code, message, tm
 
 
 def test_verify_dataset_errors_follow_the_contract(tmp_path, capsys):
-    verify = importlib.import_module("scripts.verify_dataset")
+    verify = importlib.import_module("syncseg.commands.verify_dataset")
     assert verify.main(["--config", "demo.yaml", "data.root_typo=1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     prog, message = ERROR_LINE.fullmatch(line).groups()

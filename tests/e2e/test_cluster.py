@@ -85,7 +85,7 @@ def _logged_iterations(run_dir: Path) -> int:
 
 def _no_traceback_of_ours(stderr: str) -> None:
     assert f'File "{ROOT / "train.py"}"' not in stderr and "[rank0]: Traceback" not in stderr, stderr[-3000:]
-    assert f'File "{ROOT / "engine"}' not in stderr, stderr[-3000:]
+    assert f'File "{ROOT / "syncseg"}' not in stderr, stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_a_killed_worker_restarts_and_resumes_from_the_last_checkpoint(tmp_path,
     resumed_at = re.search(r"resuming \S+ at iteration (\d+)", stderr)
     assert resumed_at and int(resumed_at.group(1)) == 8, stderr[-4000:]
     _assert_same_losses(_losses(run_dir), straight["two"])
-    first_step = re.search(r"(\d\d):(\d\d):(\d\d) INFO \[rank 0\] engine.trainer: iter 9/", stderr)
+    first_step = re.search(r"(\d\d):(\d\d):(\d\d) INFO \[rank 0\] syncseg.engine.trainer: iter 9/", stderr)
     if first_step:
         clock = time.localtime(killed_at)
         seconds = (int(first_step.group(1)) * 3600 + int(first_step.group(2)) * 60 + int(first_step.group(3))

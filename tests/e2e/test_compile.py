@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from engine.config import load_config
-from engine.distributed import DistInfo, compile_for_training
-from engine.trainer import Trainer
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo, compile_for_training
+from syncseg.engine.trainer import Trainer
 
 TINY = ["data.synthetic_image_size=32", "data.crop_size=32", "data.synthetic_train_size=8", "data.synthetic_val_size=2",
         "data.num_workers=0", "model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1",
@@ -38,7 +38,7 @@ def test_compiled_training_gives_the_eager_losses(tmp_path):
 
 
 def test_thread_replicas_cannot_be_compiled(no_accelerator):
-    from model.sync_batchnorm import DataParallelWithCallback
+    from syncseg.model.sync_batchnorm import DataParallelWithCallback
 
     replicas = DataParallelWithCallback(nn.Linear(2, 2), device_ids=[])
     with pytest.raises(ValueError, match="train.compile=true cannot compile DataParallelWithCallback"):

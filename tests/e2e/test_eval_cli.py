@@ -15,8 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from engine.config import load_config, to_dict
+from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+from syncseg.engine.config import load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn",
@@ -24,16 +24,13 @@ TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,
 
 
 def _load_cli():
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("syncseg.commands.eval")
 
 
 def _make_checkpoint(path: Path, overrides: list[str], *, seed: int = 0):
     """A randomly initialized model with non-trivial BN statistics, saved in the DESIGN format."""
-    from data import build_dataset
-    from model.builder import build_model
+    from syncseg.data import build_dataset
+    from syncseg.model.builder import build_model
 
     config = load_config(None, overrides)
     dataset = build_dataset(config.data, config.data.val_split, train=False)
@@ -50,7 +47,7 @@ def _make_checkpoint(path: Path, overrides: list[str], *, seed: int = 0):
 
 
 def _reference_predictions(model, dataset, mean, std):
-    """argmax of the model on each image, normalized in float64 independently of data.transforms."""
+    """argmax of the model on each image, normalized in float64 independently of syncseg.data.transforms."""
     predictions, masks = [], []
     mean = torch.tensor(mean, dtype=torch.float64).view(1, 3, 1, 1)
     std = torch.tensor(std, dtype=torch.float64).view(1, 3, 1, 1)
@@ -157,12 +154,12 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
 @pytest.mark.parametrize("flag,what", [("--output", "report"), ("--save-predictions", "predictions under")])
 def test_an_unwritable_output_names_the_path_and_fails_before_evaluating(synthetic_checkpoint, tmp_path, capsys,
                                                                          monkeypatch, flag, what):
-    import engine.evaluate
+    import syncseg.engine.evaluate
 
     def never(*args, **kwargs):
         raise AssertionError("evaluated although the output cannot be written")
 
-    monkeypatch.setattr(engine.evaluate, "evaluate", never)
+    monkeypatch.setattr(syncseg.engine.evaluate, "evaluate", never)
     blocker = tmp_path / "file.txt"  # a regular file: writing under it fails, also as root (unlike chmod)
     blocker.write_text("not a folder")
     target = blocker / "sub" / ("metrics.json" if flag == "--output" else "predictions")

@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.config import load_config
-from engine.distributed import DistInfo
-from engine.samplers import train_batches
-from engine.trainer import Trainer
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.samplers import train_batches
+from syncseg.engine.trainer import Trainer
 
 IGNORE = 254
 NUM_CLASSES = 3
@@ -56,7 +56,7 @@ def test_training_evaluation_and_saved_predictions_ignore_the_configured_label(t
     assert batch_masks.shape[-2:] == (32, 32)
     assert int((batch_masks != IGNORE).sum()) == 2 * labelled  # every labelled pixel kept, padding ignored
     assert set(batch_masks.unique().tolist()) <= {0, 1, 2, IGNORE}
-    from data.transforms import normalize_batch
+    from syncseg.data.transforms import normalize_batch
 
     with torch.no_grad():
         outputs = trainer.model(normalize_batch(images, config.data.mean, config.data.std))

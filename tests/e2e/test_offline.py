@@ -66,7 +66,7 @@ def test_the_guard_catches_albumentations_update_check_and_the_data_package_swit
     assert process.returncode == 0, process.stderr[-2000:]
     assert "getaddrinfo" in log.read_text()  # the guard sees what albumentations does on its own
     log.unlink()
-    process = _run(["-c", "import data.transforms, albumentations, os; print(os.environ['NO_ALBUMENTATIONS_UPDATE'])"],
+    process = _run(["-c", "import syncseg.data.transforms, albumentations, os; print(os.environ['NO_ALBUMENTATIONS_UPDATE'])"],
                    env)
     assert process.returncode == 0 and process.stdout.strip() == "1", process.stderr[-2000:]
     assert not log.exists()

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from data.transforms import normalize_batch
-from engine.config import load_config
-from engine.distributed import DistInfo
-from engine.trainer import Trainer
+from syncseg.data.transforms import normalize_batch
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.trainer import Trainer
 from tests.data.conftest import make_ade20k_tree
 from tests.e2e.common import TINY_BASE
 
@@ -76,7 +76,7 @@ def test_binary_masks_warn_without_a_label_map_and_learn_the_foreground_with_it(
     for name, extra in (("ignored", []), ("mapped", ["data.label_map=255:1"])):
         caplog.clear()
         config = load_config("demo.yaml", [*common, f"output_dir={tmp_path / name}", *extra])
-        with caplog.at_level(logging.WARNING, logger="data.base"):
+        with caplog.at_level(logging.WARNING, logger="syncseg.data.base"):
             trainer = Trainer.from_config(config, DistInfo(), progress=False)
         warnings[name] = [record.getMessage() for record in caplog.records
                           if "hold only the values 0 and 255" in record.getMessage()]

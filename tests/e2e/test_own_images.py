@@ -12,11 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from data.images import ImageFormat, read_image
-from engine.checkpoint import load_checkpoint
-from engine.config import load_config
-from engine.distributed import DistInfo
-from engine.trainer import Trainer
+from syncseg.data.images import ImageFormat, read_image
+from syncseg.engine.checkpoint import load_checkpoint
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.trainer import Trainer
 from tests.data.conftest import make_image_folder
 from tests.e2e.common import TINY_BASE
 
@@ -77,13 +77,13 @@ def _run_commands(tmp_path, data_keys: list[str], image_path, export_format: str
                           str(tmp_path / "metrics.json")]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["num_images"] == COUNT and metrics["miou"] == pytest.approx(best["best_miou"], abs=1e-12)
-    predict = importlib.import_module("scripts.predict")
+    predict = importlib.import_module("syncseg.commands.predict")
     assert predict.main(["--checkpoint", str(run / "best.pt"), "--input", str(image_path.parent), "--output",
                          str(tmp_path / "predicted"), "--device", "cpu"]) == 0
     for index in range(COUNT):
         assert Image.open(tmp_path / "predicted" / f"{index}_mask.png").size == (SIZE, SIZE)
         assert Image.open(tmp_path / "predicted" / f"{index}_overlay.png").mode == "RGB"
-    export = importlib.import_module("scripts.export")
+    export = importlib.import_module("syncseg.commands.export")
     # 0: written, and equal to PyTorch on the checkpoint's channel count (1: it does not match)
     assert export.main(["--checkpoint", str(run / "best.pt"), "--format", export_format, "--output",
                         str(tmp_path / f"model.{export_format}")]) == 0
@@ -106,7 +106,7 @@ def test_a_16_bit_grey_tiff_dataset_trains_evaluates_predicts_and_exports(tmp_pa
     assert loaded(torch.zeros(1, 1, SIZE, SIZE)).shape == (1, 2, SIZE, SIZE)
     # an 8-bit image given to the 16-bit model is skipped by name, not predicted in the wrong units
     Image.fromarray(np.zeros((SIZE, SIZE), np.uint8), mode="L").save(tmp_path / "eight.png")
-    predict = importlib.import_module("scripts.predict")
+    predict = importlib.import_module("syncseg.commands.predict")
     assert predict.main(["--checkpoint", str(tmp_path / "run" / "best.pt"), "--input", str(tmp_path / "eight.png"),
                          "--output", str(tmp_path / "eight"), "--device", "cpu"]) == 2
     assert "eight.png' is 8-bit but data.max_value=4095 expects 16-bit images" in capsys.readouterr().err

@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.checkpoint import WEIGHTS_KEYS, load_checkpoint
-from engine.config import load_config
-from engine.distributed import DistInfo
-from engine.trainer import Trainer
+from syncseg.engine.checkpoint import WEIGHTS_KEYS, load_checkpoint
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.trainer import Trainer
 
 # the demo model (configs/demo.yaml: DeepLabV3+ / ResNet-18, head 96, AdamW) on tiny data
 TINY_DATA = ["data.synthetic_image_size=32", "data.crop_size=32", "data.synthetic_train_size=8",
@@ -65,19 +65,19 @@ def test_best_pt_holds_the_weights_and_metrics_only(demo_run):
 def test_both_checkpoints_load_in_eval_predict_export_and_init_checkpoint(demo_run, name, tmp_path, capsys):
     run_dir, result = demo_run
     checkpoint = run_dir / name
-    evaluate = importlib.import_module("eval")
+    evaluate = importlib.import_module("syncseg.commands.eval")
     output = tmp_path / "metrics.json"
     assert evaluate.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--no-progress", "--output",
                           str(output)]) == 0
     assert json.loads(output.read_text())["miou"] == pytest.approx(result.last_val["miou"], abs=1e-12)
 
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 40, 3), dtype=np.uint8)).save(tmp_path / "x.png")
-    predict = importlib.import_module("scripts.predict")
+    predict = importlib.import_module("syncseg.commands.predict")
     assert predict.main(["--checkpoint", str(checkpoint), "--input", str(tmp_path / "x.png"), "--output",
                          str(tmp_path / "pred"), "--device", "cpu"]) == 0
     assert Image.open(tmp_path / "pred" / "x_mask.png").size == (40, 32)
 
-    export = importlib.import_module("scripts.export")
+    export = importlib.import_module("syncseg.commands.export")
     assert export.main(["--checkpoint", str(checkpoint), "--format", "torchscript", "--output",
                         str(tmp_path / "model.torchscript.pt")]) == 0
 

@@ -2,7 +2,7 @@
 validation ends that validation at its next batch; the resume runs the validation the stop cut short.
 
 The signal reaches one rank only, from inside the step (or the validation batch) it is about: the other
-rank learns of it through the per-step agreement (engine.signals), so both must end at the same iteration.
+rank learns of it through the per-step agreement (syncseg.engine.signals), so both must end at the same iteration.
 
 Run as a module (by the tests, under torchrun), this file trains, sends SIGTERM to its own process where
 STOP_AT says (`step:K:RANK` or `val:BATCH:RANK`), and writes what each rank saw as JSON.
@@ -78,11 +78,11 @@ def main(argv: list[str]) -> int:
     import logging
     import signal
 
-    import engine.evaluate
-    from engine.checkpoint import RESUME_KEYS, load_checkpoint
-    from engine.config import load_config
-    from engine.distributed import cleanup, setup_distributed
-    from engine.trainer import Trainer
+    import syncseg.engine.evaluate
+    from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
+    from syncseg.engine.config import load_config
+    from syncseg.engine.distributed import cleanup, setup_distributed
+    from syncseg.engine.trainer import Trainer
 
     output, resume = Path(argv[0]), argv[1:2] == ["--resume"]
     overrides = argv[2:] if resume else argv[1:]
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
         return wrapped
 
     trainer.train_step = signalling(trainer.train_step, "step")
-    engine.evaluate.predict_batch = signalling(engine.evaluate.predict_batch, "val")
+    syncseg.engine.evaluate.predict_batch = signalling(syncseg.engine.evaluate.predict_batch, "val")
     result = trainer.fit()
     output.with_suffix(f".{info.rank}.json").write_text(json.dumps({
         "iteration": result.iteration, "reason": result.reason, "signal": result.signal, "val_batches": seen["val"],

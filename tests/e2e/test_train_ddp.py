@@ -95,9 +95,9 @@ def main(argv: list[str]) -> int:
     import torch
     from torch import nn
 
-    from engine.config import load_config
-    from engine.distributed import cleanup, setup_distributed
-    from engine.trainer import Trainer
+    from syncseg.engine.config import load_config
+    from syncseg.engine.distributed import cleanup, setup_distributed
+    from syncseg.engine.trainer import Trainer
     from tests.float64 import trainers_in_float64
 
     float64 = argv[0] == "--float64"

@@ -58,7 +58,7 @@ def _validations(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_run_dir_holds_the_checkpoints_config_and_metrics_log(trained_run):
-    from engine.checkpoint import load_checkpoint
+    from syncseg.engine.checkpoint import load_checkpoint
 
     for name in ("last.pt", "best.pt", "config.yaml", "metrics.jsonl"):
         assert (trained_run / name).is_file(), name
@@ -71,7 +71,7 @@ def test_run_dir_holds_the_checkpoints_config_and_metrics_log(trained_run):
 
 @pytest.mark.slow
 def test_best_checkpoint_holds_the_best_validation(trained_run):
-    from engine.checkpoint import load_checkpoint
+    from syncseg.engine.checkpoint import load_checkpoint
 
     best = load_checkpoint(trained_run / "best.pt")
     val = _validations(trained_run)
@@ -83,7 +83,7 @@ def test_best_checkpoint_holds_the_best_validation(trained_run):
 
 @pytest.mark.slow
 def test_metrics_log_has_every_step_and_the_rate_each_step_used(trained_run):
-    from engine.optim import poly_warmup_factor
+    from syncseg.engine.optim import poly_warmup_factor
 
     records = [r for r in read_metrics(trained_run) if r["type"] == "train"]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
@@ -119,7 +119,7 @@ def test_tensorboard_events_sit_in_the_run_dir_with_scalars_summary_and_grid(tra
 
 @pytest.mark.slow
 def test_eval_cli_on_best_checkpoint_reproduces_the_validation_miou(trained_run, tmp_path):
-    from engine.checkpoint import load_checkpoint
+    from syncseg.engine.checkpoint import load_checkpoint
 
     output = tmp_path / "eval.json"
     process = subprocess.run(
@@ -156,9 +156,9 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
 
 @pytest.mark.slow
 def test_non_finite_loss_stops_with_iteration_and_keeps_last_checkpoint(tmp_path, monkeypatch):
-    from engine.config import load_config
-    from engine.distributed import DistInfo
-    from engine.trainer import Trainer
+    from syncseg.engine.config import load_config
+    from syncseg.engine.distributed import DistInfo
+    from syncseg.engine.trainer import Trainer
 
     run_dir = tmp_path / "run"
     config = load_config("demo.yaml", [f"output_dir={run_dir}", *TINY, "train.iters=6", "train.ckpt_interval=1",
@@ -198,9 +198,9 @@ def test_bad_command_lines_exit_nonzero_with_one_line_reason(args, fragment, tmp
 
 @pytest.mark.slow
 def test_init_checkpoint_fine_tunes_with_a_new_class_count(tmp_path, caplog):
-    from engine.config import load_config
-    from engine.distributed import DistInfo
-    from engine.trainer import Trainer
+    from syncseg.engine.config import load_config
+    from syncseg.engine.distributed import DistInfo
+    from syncseg.engine.trainer import Trainer
 
     source = tmp_path / "source"
     config = load_config("demo.yaml", [f"output_dir={source}", *TINY, "train.iters=1", "train.val_interval=100"])
@@ -224,9 +224,9 @@ def test_fine_tuning_from_torchvision_deeplabv3_weights_loads_all_but_the_classi
     6-class synthetic set; only the classifier's last conv stays fresh, and another backbone is one line."""
     import torchvision
 
-    from engine.config import load_config
-    from engine.distributed import DistInfo
-    from engine.trainer import Trainer
+    from syncseg.engine.config import load_config
+    from syncseg.engine.distributed import DistInfo
+    from syncseg.engine.trainer import Trainer
 
     torch.manual_seed(0)
     reference = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=21)
@@ -237,7 +237,7 @@ def test_fine_tuning_from_torchvision_deeplabv3_weights_loads_all_but_the_classi
                  "model.head_channels=256", "model.aspp_rates=12,24,36", "train.iters=2", "train.val_interval=2",
                  "train.batch_size=2",
                  f"model.init_checkpoint={path}"]
-    with caplog.at_level("INFO", logger="engine.checkpoint"):
+    with caplog.at_level("INFO", logger="syncseg.engine.checkpoint"):
         trainer = Trainer.from_config(load_config("demo.yaml", overrides), DistInfo(), progress=False)
     tuned = trainer.model.state_dict()
     assert len(trainer.parts.classes) == 6

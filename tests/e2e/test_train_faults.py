@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-import engine.checkpoint
-from engine.checkpoint import load_checkpoint
-from engine.config import load_config
-from engine.distributed import DistInfo
-from engine.trainer import Trainer
+import syncseg.engine.checkpoint
+from syncseg.engine.checkpoint import load_checkpoint
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.trainer import Trainer
 
 TINY = [
     "data.synthetic_image_size=32", "data.crop_size=32", "data.synthetic_train_size=16", "data.synthetic_val_size=4",
@@ -69,7 +69,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_previous_checkpoint_sta
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, file, *args, **kwargs)
 
-    monkeypatch.setattr(engine.checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(syncseg.engine.checkpoint.torch, "save", full_disk)
     code, errors = _train(f"output_dir={run_dir}", "train.iters=4", "train.ckpt_interval=1", capsys=capsys)
     assert code == 1 and len(errors) == 1, errors
     assert f"could not write checkpoint '{run_dir / 'last.pt'}': No space left on device" in errors[0]

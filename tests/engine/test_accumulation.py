@@ -12,14 +12,14 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from engine.accumulation import describe_batches, step_normalizer
-from engine.checkpoint import RESUME_KEYS, load_checkpoint
-from engine.config import load_config
-from engine.distributed import DistInfo
-from engine.config import TrainConfig
-from engine.loss import SegmentationLoss, build_loss
-from engine.samplers import train_steps
-from engine.trainer import Trainer
+from syncseg.engine.accumulation import describe_batches, step_normalizer
+from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.config import TrainConfig
+from syncseg.engine.loss import SegmentationLoss, build_loss
+from syncseg.engine.samplers import train_steps
+from syncseg.engine.trainer import Trainer
 from tests.float64 import trainers_in_float64
 from tests.gloo import free_port, init_gloo
 
@@ -85,7 +85,7 @@ def test_batch_8x1_and_4x2_give_the_same_gradients_with_norm_layers_in_eval_mode
     _assert_same_gradients(split, whole)
 
     # control: normalizing each micro-batch by its own pixels (a plain mean per micro-batch) is wrong
-    monkeypatch.setattr("engine.trainer.step_normalizer", lambda criterion, masks: None)
+    monkeypatch.setattr("syncseg.engine.trainer.step_normalizer", lambda criterion, masks: None)
     naive, _, _ = _first_step_gradients(_trainer(tmp_path, "naive", "train.accumulate=2", *extra, float64=True))
     assert max(float((naive[k] - whole[k]).abs().max()) for k in whole) > 1e-4
 

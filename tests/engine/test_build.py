@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine.build import build_training
-from engine.config import load_config
-from engine.distributed import DistInfo
-from engine.samplers import train_steps
-from engine.trainer import Trainer
+from syncseg.engine.build import build_training
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.samplers import train_steps
+from syncseg.engine.trainer import Trainer
 
 TINY = [
     "data.synthetic_image_size=32", "data.crop_size=32", "data.synthetic_train_size=16", "data.synthetic_val_size=2",

@@ -1,4 +1,4 @@
-"""engine.checkpoint: atomic save, checked load, loading into a model for inference, resume resolution."""
+"""syncseg.engine.checkpoint: atomic save, checked load, loading into a model for inference, resume resolution."""
 from __future__ import annotations
 
 import errno
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import (
+from syncseg.engine.checkpoint import (
     FORMAT_VERSION,
     init_from_weights,
     load_checkpoint,
@@ -18,9 +18,9 @@ from engine.checkpoint import (
     load_weights_file,
     save_checkpoint,
 )
-from engine.config import Config, ModelConfig
-from engine.config import from_dict, load_config, to_dict
-from model.builder import build_model
+from syncseg.engine.config import Config, ModelConfig
+from syncseg.engine.config import from_dict, load_config, to_dict
+from syncseg.model.builder import build_model
 
 
 def _payload(model: nn.Module) -> dict:
@@ -186,8 +186,8 @@ def test_inference_model_takes_the_layout_training_took(tmp_path, train_amp, eva
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
-    from engine.checkpoint import save_safetensors
-    from engine.atomic import current_umask
+    from syncseg.engine.checkpoint import save_safetensors
+    from syncseg.engine.atomic import current_umask
 
     previous = os.umask(umask)
     try:
@@ -202,7 +202,7 @@ def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
 
 
 def test_weights_payload_keeps_what_inference_needs_and_a_best_pt_cannot_be_resumed(tmp_path):
-    from engine.checkpoint import RESUME_KEYS, WEIGHTS_KEYS, weights_payload
+    from syncseg.engine.checkpoint import RESUME_KEYS, WEIGHTS_KEYS, weights_payload
 
     full = {**_payload(nn.Linear(3, 2)), "run_id": "r1", "overrides": {"train.iters": "5"}}
     small = weights_payload(full, metrics={"miou": 0.5, "iou": [0.5, None]})
@@ -216,7 +216,7 @@ def test_weights_payload_keeps_what_inference_needs_and_a_best_pt_cannot_be_resu
 
 
 def test_a_safetensors_release_file_loads_like_a_checkpoint(tmp_path):
-    from engine.checkpoint import peek_checkpoint, save_safetensors
+    from syncseg.engine.checkpoint import peek_checkpoint, save_safetensors
 
     path = tmp_path / "best.pt"
     source = _model_checkpoint(path)
@@ -238,7 +238,7 @@ def test_a_safetensors_release_file_loads_like_a_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("name", ["release.pt", "release", "release.SAFETENSORS"])
 def test_safetensors_are_written_only_under_the_name_the_loaders_read_as_safetensors(tmp_path, name):
-    from engine.checkpoint import save_safetensors
+    from syncseg.engine.checkpoint import save_safetensors
 
     with pytest.raises(ValueError, match=r"must be named \*\.safetensors.*e\.g\. '.*release\.safetensors'"):
         save_safetensors(tmp_path / name, {"model": {"w": torch.ones(2)}})
@@ -297,7 +297,7 @@ def test_a_wrong_architecture_is_one_line_naming_file_and_both_architectures(tmp
     assert "model.backbone=resnet18" in message and "96 unexpected tensor(s) (e.g. backbone.layer1.2.conv1.weight)" in message
     # a good file logs exactly what was loaded, skipped and left fresh, in one record
     torch.save(_small_model(21, aux_loss=True).state_dict(), tmp_path / "aux.pth")
-    with caplog.at_level("INFO", logger="engine.checkpoint"):
+    with caplog.at_level("INFO", logger="syncseg.engine.checkpoint"):
         init_from_weights(_small_model(6), tmp_path / "aux.pth", model_cfg=ModelConfig())
     (record,) = [r.getMessage() for r in caplog.records if "aux.pth" in r.getMessage()]
     assert ("loaded 174 of the model's 176 tensors: backbone.*, classifier.aspp.*, classifier.low_level_project.*, "

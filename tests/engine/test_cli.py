@@ -1,4 +1,4 @@
-"""engine/cli.py: the one error contract of the command lines (their use of it: tests/e2e/test_cli.py and
+"""syncseg/engine/cli.py: the one error contract of the command lines (their use of it: tests/e2e/test_cli.py and
 each CLI's own tests)."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from data import BadSampleError
-from engine.atomic import write_atomically
-from engine.cli import (TIME_FORMAT, CommandFailed, describe_os_error, error_line, print_error, run_command,
+from syncseg.data import BadSampleError
+from syncseg.engine.atomic import write_atomically
+from syncseg.engine.cli import (TIME_FORMAT, CommandFailed, describe_os_error, error_line, print_error, run_command,
                         timestamp, unwrap_worker_message, writing)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def _raising(error: BaseException):
      "No such file or directory: '/data/x.pt'"),
     (OSError(errno.EROFS, "Read-only file system", "/ro/out"), 1, "Read-only file system: '/ro/out'"),
     (PermissionError(errno.EACCES, "Permission denied", "/ro/.report.json.k3j2x.tmp"), 1,
-     "Permission denied: '/ro'"),  # engine.atomic's temporary file is named by its folder
+     "Permission denied: '/ro'"),  # syncseg.engine.atomic's temporary file is named by its folder
     (OSError(errno.EXDEV, "Invalid cross-device link", "/a/x", None, "/b/x"), 1,
      "Invalid cross-device link: '/a/x' -> '/b/x'"),
     (OSError(errno.ENOSPC, "could not write report 'r.json': No space left on device; the previous file there "
@@ -108,7 +108,7 @@ def test_writing_says_what_could_not_be_written_where(tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     target = tmp_path / "r.json"
-    with pytest.raises(OSError) as caught:  # engine.atomic's message already names the file: unchanged
+    with pytest.raises(OSError) as caught:  # syncseg.engine.atomic's message already names the file: unchanged
         with writing("report", target):
             write_atomically(target, full, what="report")
     assert caught.value.strerror == (f"could not write report '{target}': No space left on device; the previous "
@@ -137,7 +137,7 @@ def test_a_read_only_folder_names_the_file_and_the_reason(read_only_dir, capsys)
 
 
 def test_importing_it_imports_no_third_party_package():
-    code = "import sys, engine.cli; print(sorted(m for m in ('torch', 'numpy', 'yaml') if m in sys.modules))"
+    code = "import sys, syncseg.engine.cli; print(sorted(m for m in ('torch', 'numpy', 'yaml') if m in sys.modules))"
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert process.returncode == 0, process.stderr
@@ -145,7 +145,7 @@ def test_importing_it_imports_no_third_party_package():
 
 
 class _BadMask(Dataset):
-    """Sample 1 is bad, as data.base.SegmentationDataset raises it in a DataLoader worker."""
+    """Sample 1 is bad, as syncseg.data.base.SegmentationDataset raises it in a DataLoader worker."""
 
     def __len__(self) -> int:
         return 2

@@ -1,4 +1,4 @@
-"""The schema (engine.config) and its reading and writing (engine.config.io): the base chain, type
+"""The schema (syncseg.engine.config) and its reading and writing (syncseg.engine.config.io): the base chain, type
 conversion, overrides, the dict round trip, renamed keys, and every validation error."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import yaml
 
-import data
-from data.synthetic import SHAPE_NAMES
-from engine.config import (FIXED_CLASS_DATASETS, SYNTHETIC_MAX_CLASSES, Config, DataConfig, EvalConfig, all_keys, choices,
+from syncseg import data
+from syncseg.data.synthetic import SHAPE_NAMES
+from syncseg.engine.config import (FIXED_CLASS_DATASETS, SYNTHETIC_MAX_CLASSES, Config, DataConfig, EvalConfig, all_keys, choices,
                            validate)
-from engine.config import (
+from syncseg.engine.config import (
     build_config,
     from_dict,
     inference_config,
@@ -21,9 +21,9 @@ from engine.config import (
     save_config,
     to_dict,
 )
-from model.backbones import backbone_names
-from model.builder import HEADS
-from model.norm import norm_kinds
+from syncseg.model.backbones import backbone_names
+from syncseg.model.builder import HEADS
+from syncseg.model.norm import norm_kinds
 
 
 def write(path, content: dict) -> str:

@@ -1,4 +1,4 @@
-"""engine.confusion.ConfusionMatrix against torchmetrics, cityscapesscripts and float64 recomputation."""
+"""syncseg.engine.confusion.ConfusionMatrix against torchmetrics, cityscapesscripts and float64 recomputation."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from data.transforms import IGNORE_INDEX
-from engine.confusion import ConfusionMatrix
+from syncseg.data.transforms import IGNORE_INDEX
+from syncseg.engine.confusion import ConfusionMatrix
 
 
 def _voc_like(seed: int, *, num_classes: int = 21, shape=(3, 37, 41)) -> tuple[torch.Tensor, torch.Tensor]:

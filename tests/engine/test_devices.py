@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import devices
+from syncseg.engine import devices
 
 
 @pytest.mark.parametrize("amp,dtype", [("off", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -43,7 +43,7 @@ def test_auto_precision_autocasts_by_capability_and_explicit_bf16_is_warned_when
     monkeypatch.setattr(devices, "native_bf16", lambda device: False)
     with devices.autocast_for(CPU, "auto"):
         assert layer(torch.randn(2, 4)).dtype == torch.float32
-    with caplog.at_level("INFO", logger="engine.devices"):
+    with caplog.at_level("INFO", logger="syncseg.engine.devices"):
         assert devices.log_precision("train.amp", "auto", CPU) == "off"
         assert devices.log_precision("train.amp", "bf16", CPU) == "bf16"  # still runs, with a warning
     warnings_logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

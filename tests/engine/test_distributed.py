@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine import distributed
-from engine.devices import inference_device, parse_gpus
-from engine.distributed import DistInfo, Launch, assign_sync_groups, setup_distributed, wrap_for_training
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.engine import distributed
+from syncseg.engine.devices import inference_device, parse_gpus
+from syncseg.engine.distributed import DistInfo, Launch, assign_sync_groups, setup_distributed, wrap_for_training
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +133,7 @@ def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
 
 
 def test_torchrun_env_with_cuda_pairs_nccl_with_gloo_for_cpu_tensors(monkeypatch):
-    """NCCL carries the model's tensors; the stop agreement (engine.signals) all-reduces a CPU tensor, which
+    """NCCL carries the model's tensors; the stop agreement (syncseg.engine.signals) all-reduces a CPU tensor, which
     needs a CPU backend in the same group: torch's own default pairing, cpu:gloo,cuda:nccl."""
     fake = _fake_cuda(monkeypatch, 2)
     info, calls = _as_torchrun_rank_1_of_2(monkeypatch)

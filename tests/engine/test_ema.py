@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import RESUME_KEYS, load_checkpoint
-from engine.config import load_config
-from engine.distributed import DistInfo
-from engine.ema import ModelEMA
-from engine.trainer import Trainer
+from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
+from syncseg.engine.config import load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.ema import ModelEMA
+from syncseg.engine.trainer import Trainer
 
 TINY = [
     "data.synthetic_image_size=32", "data.crop_size=32", "data.synthetic_train_size=16", "data.synthetic_val_size=2",
@@ -82,7 +82,7 @@ def test_validation_and_best_checkpoint_use_the_averaged_weights(tmp_path):
 
 def test_the_average_shares_what_cannot_be_copied():
     """A process group (model.syncbn_group_size) cannot be deep-copied: the average shares it."""
-    from model.sync_batchnorm import SynchronizedBatchNorm2d
+    from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
     class Group:  # stands in for a torch.distributed ProcessGroup
         def __deepcopy__(self, memo):

@@ -1,4 +1,4 @@
-"""engine.evaluate: the shared evaluation loop, single process and sharded over gloo processes."""
+"""syncseg.engine.evaluate: the shared evaluation loop, single process and sharded over gloo processes."""
 from __future__ import annotations
 
 import gc
@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import Dataset
 
-from engine.config import DataConfig, EvalConfig
-from engine.evaluate import build_eval_loader, evaluate
+from syncseg.engine.config import DataConfig, EvalConfig
+from syncseg.engine.evaluate import build_eval_loader, evaluate
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -102,7 +102,7 @@ def _ddp_worker(rank, world_size, init_file, out_dir):
                            data_cfg=DATA, eval_cfg=EvalConfig(), progress=False)
         (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
         del ddp
-        gc.collect()  # DDP sits in reference cycles: a live DDP during destroy_process_group aborts gloo at exit (engine.distributed.cleanup)
+        gc.collect()  # DDP sits in reference cycles: a live DDP during destroy_process_group aborts gloo at exit (syncseg.engine.distributed.cleanup)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""engine.export_formats: every format round-trips within 1e-4 of PyTorch, at the export size and another one."""
+"""syncseg.engine.export_formats: every format round-trips within 1e-4 of PyTorch, at the export size and another one."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.export_formats import (
+from syncseg.engine.config import load_config
+from syncseg.engine.export_formats import (
     FORMATS,
     TOLERANCE,
     LogitsModel,
@@ -19,8 +19,8 @@ from engine.export_formats import (
     load_runner,
     sample_inputs,
 )
-from model.builder import build_model
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.model.builder import build_model
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.aux_loss=true",
         "model.channels_last=true"]
@@ -92,6 +92,6 @@ def test_onnx_without_onnxruntime_is_a_clear_message(monkeypatch, tmp_path):
 
 
 def test_formats_match_the_cli_choices():
-    from scripts.export import FORMAT_CHOICES
+    from syncseg.commands.export import FORMAT_CHOICES
 
     assert FORMAT_CHOICES == FORMATS

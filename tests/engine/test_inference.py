@@ -1,4 +1,4 @@
-"""engine.inference.predict: whole / sliding window / multi-scale / flip."""
+"""syncseg.engine.inference.predict: whole / sliding window / multi-scale / flip."""
 from __future__ import annotations
 
 import pytest
@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import DataConfig, EvalConfig
-from engine.inference import eval_settings, predict, predict_batch, window_starts
+from syncseg.engine.config import DataConfig, EvalConfig
+from syncseg.engine.inference import eval_settings, predict, predict_batch, window_starts
 
 
 def run(model, images, *, num_classes, **options):
-    """predict() with the eval section's defaults (engine.config.EvalConfig) and `options` on top."""
+    """predict() with the eval section's defaults (syncseg.engine.config.EvalConfig) and `options` on top."""
     return predict(model, images, num_classes=num_classes, **eval_settings(EvalConfig(**options)))
 
 

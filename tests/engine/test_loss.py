@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import TrainConfig
-from engine.loss import SegmentationLoss, build_loss
+from syncseg.engine.config import TrainConfig
+from syncseg.engine.loss import SegmentationLoss, build_loss
 
 
 def _loss(**settings) -> SegmentationLoss:

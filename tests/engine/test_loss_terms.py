@@ -12,11 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from engine.accumulation import step_normalizer
-from engine.config import TrainConfig
-from engine.config.schema import LOSS_TERMS
-from engine.loss import NORMALIZED_BY, SegmentationLoss, build_loss
-from engine.loss_terms import dice_terms, focal_terms, lovasz_terms
+from syncseg.engine.accumulation import step_normalizer
+from syncseg.engine.config import TrainConfig
+from syncseg.engine.config.schema import LOSS_TERMS
+from syncseg.engine.loss import NORMALIZED_BY, SegmentationLoss, build_loss
+from syncseg.engine.loss_terms import dice_terms, focal_terms, lovasz_terms
 from tests.gloo import free_port, init_gloo
 
 IGNORE = 255
@@ -178,7 +178,7 @@ def test_terms_are_sums_over_pixels_or_images_with_their_local_normalizers():
 
 # --------------------------------------------------------------------- the global-batch reduction
 def _split_shares(criterion: SegmentationLoss, logits: torch.Tensor, target: torch.Tensor, sizes: list[int]):
-    """The micro-batch shares of one accumulated step, as engine.trainer.Trainer.train_step computes them."""
+    """The micro-batch shares of one accumulated step, as syncseg.engine.trainer.Trainer.train_step computes them."""
     chunks = list(zip(logits.split(sizes), target.split(sizes)))
     normalizer = step_normalizer(criterion, [t for _, t in chunks])
     return [criterion({"out": z}, t, step_weight=normalizer) for z, t in chunks]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.optim import PolyWarmupLR, build_optimizer, fused_supported, load_optimizer_state, poly_warmup_factor
+from syncseg.engine.optim import PolyWarmupLR, build_optimizer, fused_supported, load_optimizer_state, poly_warmup_factor
 
 
 def test_poly_schedule_matches_torch_polynomial_lr():

@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from data.transforms import normalize_batch
-from engine.config import DataConfig, load_config
-from engine.distributed import DistInfo
-from engine.precise_bn import recompute_batch_norm_statistics
-from engine.trainer import Trainer
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.data.transforms import normalize_batch
+from syncseg.engine.config import DataConfig, load_config
+from syncseg.engine.distributed import DistInfo
+from syncseg.engine.precise_bn import recompute_batch_norm_statistics
+from syncseg.engine.trainer import Trainer
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
 DATA = DataConfig()
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.reporting import MetricsLog, flat_numbers, format_seconds, progress_bar, validation_markdown
+from syncseg.engine.reporting import MetricsLog, flat_numbers, format_seconds, progress_bar, validation_markdown
 from tests.conftest import fill_disk
 
 

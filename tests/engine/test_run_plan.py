@@ -1,13 +1,13 @@
-"""engine.run_plan: the run-dir lock, fresh / resumed / refused runs, and what a resume carries."""
+"""syncseg.engine.run_plan: the run-dir lock, fresh / resumed / refused runs, and what a resume carries."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from engine.config import load_config, to_dict
-from engine.distributed import DistInfo, Launch
-from engine.run_plan import RunDirBusyError, RunDirLock, dist_timeout, plan_run
+from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+from syncseg.engine.config import load_config, to_dict
+from syncseg.engine.distributed import DistInfo, Launch
+from syncseg.engine.run_plan import RunDirBusyError, RunDirLock, dist_timeout, plan_run
 
 
 def _checkpoint(path, config, *, iteration=4, best_miou=0.5, run_id="run-a", overrides=None):

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from engine.evaluate import ShardSampler, build_eval_loader
-from engine.samplers import (
+from syncseg.engine.evaluate import ShardSampler, build_eval_loader
+from syncseg.engine.samplers import (
     ResumableBatchSampler,
     build_train_loader,
     split_batch,

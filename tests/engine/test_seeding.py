@@ -8,14 +8,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.samplers import ResumableBatchSampler
-from engine.seeding import SeededDataset, capture_rng_state, restore_rng_state, worker_init
+from syncseg.engine.checkpoint import load_checkpoint, save_checkpoint
+from syncseg.engine.samplers import ResumableBatchSampler
+from syncseg.engine.seeding import SeededDataset, capture_rng_state, restore_rng_state, worker_init
 
 
 class _RandomDataset(Dataset):
     """Every draw source a data pipeline may use: torch, numpy, python random, an albumentations-like
-    pipeline with its own generator, seeded from torch as data.transforms.PairTransform seeds it."""
+    pipeline with its own generator, seeded from torch as syncseg.data.transforms.PairTransform seeds it."""
 
     class _Pipeline:
         def __init__(self):
@@ -50,10 +50,10 @@ def test_seeded_dataset_is_a_function_of_index_and_seed_and_leaves_global_rng_al
 
 
 def test_the_real_augmentation_follows_the_sample_seed():
-    """data.transforms.PairTransform seeds its albumentations pipeline from torch, which SeededDataset seeds:
+    """syncseg.data.transforms.PairTransform seeds its albumentations pipeline from torch, which SeededDataset seeds:
     nothing reaches into the dataset to reseed it, so this fails if the transform stops drawing its seed."""
-    from data.transforms import build_train_transform
-    from engine.config import DataConfig
+    from syncseg.data.transforms import build_train_transform
+    from syncseg.engine.config import DataConfig
 
     transform = build_train_transform(DataConfig(crop_size=(24, 24), scale_range=(0.5, 2.0), hflip=True))
     image = np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""engine.signals.StopRequest: the flag, a second signal, the handlers put back."""
+"""syncseg.engine.signals.StopRequest: the flag, a second signal, the handlers put back."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from engine.signals import StopRequest
+from syncseg.engine.signals import StopRequest
 
 
 def test_first_signal_sets_the_flag_and_the_handlers_are_restored():

@@ -1,13 +1,13 @@
-"""engine.visualize: titled grids, legends, the ignore colour and photo overlays."""
+"""syncseg.engine.visualize: titled grids, legends, the ignore colour and photo overlays."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from data import IGNORE_COLOR, bit_palette
-from engine.config import DataConfig, EvalConfig
-from engine.visualize import (
+from syncseg.data import IGNORE_COLOR, bit_palette
+from syncseg.engine.config import DataConfig, EvalConfig
+from syncseg.engine.visualize import (
     MIN_PANEL_WIDTH,
     background_indices,
     color_labels,

@@ -8,8 +8,8 @@ import torch
 import torchvision
 from torch import nn
 
-from engine.config import choices
-from model.backbones import (
+from syncseg.engine.config import choices
+from syncseg.model.backbones import (
     IMAGENET_WEIGHTS,
     ResNetBackbone,
     build_backbone,
@@ -74,7 +74,7 @@ def test_dilation_is_the_exact_atrous_conversion(name, output_stride):
 @pytest.mark.parametrize("output_stride", [8, 16])
 def test_mobilenet_v2_dilation_is_the_exact_atrous_conversion(output_stride):
     """torchvision's MobileNetV2 (stride 32) is the reference: subsampling the dilated features gives its."""
-    from model.backbones import MobileNetBackbone
+    from syncseg.model.backbones import MobileNetBackbone
 
     torch.manual_seed(0)
     features = list(torchvision.models.mobilenet_v2(weights=None).features)[:-1]
@@ -190,7 +190,7 @@ def test_path_weights_report_missing_and_unexpected_keys(tmp_path, caplog):
     kept["extra.weight"] = torch.zeros(3)
     path = tmp_path / "backbone.pth"
     torch.save(kept, path)
-    with caplog.at_level(logging.WARNING, logger="model.backbones"):
+    with caplog.at_level(logging.WARNING, logger="syncseg.model.backbones"):
         backbone = build_backbone("resnet18", output_stride=16, norm_layer=nn.BatchNorm2d, pretrained=str(path))
     assert "layer4.1.bn2.weight" in caplog.text and "extra.weight" in caplog.text
     assert torch.equal(backbone.state_dict()["layer1.0.conv1.weight"], state["layer1.0.conv1.weight"])
@@ -214,8 +214,8 @@ def test_missing_or_corrupt_path_weights(tmp_path):
 
 
 def test_unwrap_state_dict_is_the_one_rule_for_wrapped_weight_files():
-    """Backbone weight files and model.init_checkpoint (engine.checkpoint.load_weights_file) unwrap alike."""
-    from model.backbones import unwrap_state_dict
+    """Backbone weight files and model.init_checkpoint (syncseg.engine.checkpoint.load_weights_file) unwrap alike."""
+    from syncseg.model.backbones import unwrap_state_dict
 
     tensors = {"conv.weight": torch.zeros(1)}
     assert unwrap_state_dict(tensors) == (tensors, "")

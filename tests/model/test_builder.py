@@ -14,10 +14,10 @@ import torchvision
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
-from engine.config import ModelConfig
-from engine.optim import build_param_groups
-from model.builder import build_model, load_segmentation_weights, unwrap_model
-from model.sync_batchnorm import SynchronizedBatchNorm2d, revert_model
+from syncseg.engine.config import ModelConfig
+from syncseg.engine.optim import build_param_groups
+from syncseg.model.builder import build_model, load_segmentation_weights, unwrap_model
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d, revert_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,7 +170,7 @@ def test_fine_tuning_strips_a_data_parallel_prefix():
 
 
 def test_compact_keys_names_whole_modules_and_single_keys_exactly():
-    from model.builder import compact_keys
+    from syncseg.model.builder import compact_keys
 
     universe = ["a.x", "a.y", "b.0.w", "b.0.b", "b.1.w", "c"]
     assert compact_keys(universe, universe) == ["a.*", "b.*", "c"]
@@ -230,9 +230,9 @@ def test_invalid_class_count():
 
 
 def test_importing_the_package_is_light():
-    # model.sync_batchnorm stands alone: importing it loads torch only, not the networks or torchvision
-    code = ("import sys, model.sync_batchnorm; "
-            "assert 'model.builder' not in sys.modules and 'torchvision' not in sys.modules, sorted(sys.modules)")
+    # syncseg.model.sync_batchnorm stands alone: importing it loads torch only, not the networks or torchvision
+    code = ("import sys, syncseg.model.sync_batchnorm; "
+            "assert 'syncseg.model.builder' not in sys.modules and 'torchvision' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torchvision.models.segmentation import deeplabv3 as tv_deeplabv3
 
-from model.heads import ASPP, ASPPPooling, DeepLabV3Head, aspp_rates_for
-from model.sync_batchnorm import SynchronizedBatchNorm2d
-from model.sync_batchnorm.unittest import run_replicas
+from syncseg.model.heads import ASPP, ASPPPooling, DeepLabV3Head, aspp_rates_for
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.model.sync_batchnorm.unittest import run_replicas
 
 
 def test_aspp_rates_follow_output_stride_unless_given():

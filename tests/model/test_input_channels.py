@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from model.backbones import build_backbone
-from model.builder import build_model, load_segmentation_weights
-from model.input_channels import adapt_input_channels, first_convolution, rgb_filters_for
+from syncseg.engine.config import ModelConfig
+from syncseg.model.backbones import build_backbone
+from syncseg.model.builder import build_model, load_segmentation_weights
+from syncseg.model.input_channels import adapt_input_channels, first_convolution, rgb_filters_for
 from tests.model.test_backbones import _randomize_batchnorm
 
 
@@ -55,13 +55,13 @@ def test_a_pretrained_backbone_sees_a_grey_or_repeated_image_as_its_rgb_original
         pytest.importorskip("timm")
     weights = _weights_file(tmp_path, name)
     rgb_backbone = build_backbone(name, output_stride=16, norm_layer=nn.BatchNorm2d, pretrained=weights)
-    with caplog.at_level(logging.INFO, logger="model.input_channels"):
+    with caplog.at_level(logging.INFO, logger="syncseg.model.input_channels"):
         grey_backbone = build_backbone(name, output_stride=16, norm_layer=nn.BatchNorm2d, pretrained=weights,
                                        in_channels=1)
     six_backbone = build_backbone(name, output_stride=16, norm_layer=nn.BatchNorm2d, pretrained=weights,
                                   in_channels=6)
     path, conv = first_convolution(grey_backbone)
-    (line,) = [record.getMessage() for record in caplog.records if record.name == "model.input_channels"]
+    (line,) = [record.getMessage() for record in caplog.records if record.name == "syncseg.model.input_channels"]
     assert line == (f"model.backbone={name}: first convolution '{path}' adapted from 3 to 1 input channel(s) "
                     f"(data.in_channels): the sum of its RGB filters (pretrained: {weights} weights)")
     assert conv.in_channels == 1 and conv.weight.shape[1] == 1

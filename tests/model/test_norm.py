@@ -1,11 +1,11 @@
-"""model.norm: the one factory from `model.norm` to normalization layers."""
+"""syncseg.model.norm: the one factory from `model.norm` to normalization layers."""
 import pytest
 import torch
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
-from model.norm import norm_layers, synchronizes_statistics
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.model.norm import norm_layers, synchronizes_statistics
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
 
 @pytest.mark.parametrize("kind,backbone_type,head_type", [
@@ -44,7 +44,7 @@ class _NormThenAct(nn.BatchNorm2d):
 def test_adopt_batch_norms_swaps_every_batch_norm_keeping_settings_tensors_and_activation(kind):
     import torch
 
-    from model.norm import FrozenBatchNormAct2d, SynchronizedBatchNormAct2d, adopt_batch_norms
+    from syncseg.model.norm import FrozenBatchNormAct2d, SynchronizedBatchNormAct2d, adopt_batch_norms
 
     torch.manual_seed(0)
     network = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.Conv2d(4, 4, 1), _NormThenAct(4)))
@@ -75,9 +75,9 @@ def test_adopt_batch_norms_swaps_every_batch_norm_keeping_settings_tensors_and_a
 
 @pytest.mark.parametrize("kind", ["syncbn", "frozen_bn"])
 def test_adopted_norms_keep_tensors_mode_and_hooks(kind):
-    """adopt_batch_norms swaps layers as convert_model does (one swap, model.sync_batchnorm.adopt_norm_state):
+    """adopt_batch_norms swaps layers as convert_model does (one swap, syncseg.model.sync_batchnorm.adopt_norm_state):
     values, train/eval mode and forward hooks survive, for a frozen layer too."""
-    from model.norm import adopt_batch_norms, norm_layers
+    from syncseg.model.norm import adopt_batch_norms, norm_layers
 
     torch.manual_seed(0)
     old = nn.BatchNorm2d(4)

@@ -7,8 +7,8 @@ from torchvision.models.segmentation.deeplabv3 import ASPP as TorchvisionASPP
 from torchvision.models.segmentation.deeplabv3 import DeepLabHead
 from torchvision.models.segmentation.fcn import FCNHead
 
-from engine.config import ModelConfig, choices
-from model.builder import build_model
+from syncseg.engine.config import ModelConfig, choices
+from syncseg.model.builder import build_model
 
 NUM_CLASSES = 21
 TORCHVISION_DEEPLABV3 = {

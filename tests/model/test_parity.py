@@ -4,9 +4,9 @@ import torch
 from torch import nn
 from torchvision.models import segmentation
 
-from engine.config import ModelConfig
-from model.builder import build_model, load_segmentation_weights
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.engine.config import ModelConfig
+from syncseg.model.builder import build_model, load_segmentation_weights
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
 
 def _randomize_batchnorm(module: nn.Module) -> None:

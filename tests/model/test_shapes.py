@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.config import ModelConfig, choices
-from model.builder import build_model
+from syncseg.engine.config import ModelConfig, choices
+from syncseg.model.builder import build_model
 
 NUM_CLASSES = 5
 COMBINATIONS = [(arch, backbone, stride) for arch in ("deeplabv3", "deeplabv3plus") for backbone in choices("model.backbone")

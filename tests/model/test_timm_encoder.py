@@ -15,11 +15,11 @@ from torchvision.models.segmentation.deeplabv3 import DeepLabHead
 from torchvision.models.segmentation.fcn import FCNHead
 from torchvision.ops import FrozenBatchNorm2d
 
-from engine.config import ModelConfig
-from model.backbones import build_backbone
-from model.builder import build_model
-from model.norm import FrozenBatchNormAct2d, SynchronizedBatchNormAct2d, norm_layers
-from model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.engine.config import ModelConfig
+from syncseg.model.backbones import build_backbone
+from syncseg.model.builder import build_model
+from syncseg.model.norm import FrozenBatchNormAct2d, SynchronizedBatchNormAct2d, norm_layers
+from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
 
 timm = pytest.importorskip("timm")
 
@@ -185,6 +185,6 @@ def test_imagenet_weights_come_from_the_local_hugging_face_cache_only(tmp_path, 
 
 
 def test_timm_is_imported_only_when_a_timm_backbone_is_built():
-    code = ("import sys, engine.config, model.builder; from engine.config import load_config; "
+    code = ("import sys, syncseg.engine.config, syncseg.model.builder; from syncseg.engine.config import load_config; "
             "load_config(None, ['model.backbone=timm:resnet18']); assert 'timm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -10,14 +10,14 @@ import zipfile
 import pytest
 import torch
 
-from engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
-from engine.config import load_config, to_dict
+from syncseg.engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+from syncseg.engine.config import load_config, to_dict
 
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "data.crop_size=32"]
 
 
 def _script():
-    return importlib.import_module("scripts.export")
+    return importlib.import_module("syncseg.commands.export")
 
 
 def _error_lines(capsys) -> list[str]:
@@ -29,7 +29,7 @@ def _error_lines(capsys) -> list[str]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from model.builder import build_model
+    from syncseg.model.builder import build_model
 
     config = load_config(None, TINY)
     torch.manual_seed(0)
@@ -62,13 +62,13 @@ def test_safetensors_release_copy_reads_back_identical(checkpoint, tmp_path):
 
 def test_onnx_without_onnxruntime_writes_the_file_and_says_it_was_not_checked(checkpoint, tmp_path, monkeypatch,
                                                                               caplog):
-    import engine.export_formats
+    import syncseg.engine.export_formats
 
     def fake_export(module, fmt, path, *, sample, metadata):  # the real exporter: tests/engine/test_export.py
         path.write_bytes(b"onnx")
         return "dynamic"
 
-    monkeypatch.setattr(engine.export_formats, "export_model", fake_export)
+    monkeypatch.setattr(syncseg.engine.export_formats, "export_model", fake_export)
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     with caplog.at_level("WARNING"):
         assert _script().main(["--checkpoint", str(checkpoint), "--format", "onnx", "--output",
@@ -117,13 +117,13 @@ def test_a_full_disk_is_one_line_naming_the_file_and_an_earlier_export_there_sta
 ])
 def test_a_name_the_loaders_would_misread_is_refused_before_anything_is_written(checkpoint, tmp_path, capsys,
                                                                                  monkeypatch, fmt, name, fragment):
-    import engine.checkpoint
+    import syncseg.engine.checkpoint
 
     def never(*args, **kwargs):
         raise AssertionError("read the checkpoint although the output name is refused")
 
-    monkeypatch.setattr(engine.checkpoint, "load_checkpoint", never)
-    monkeypatch.setattr(engine.checkpoint, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", never)
+    monkeypatch.setattr(syncseg.engine.checkpoint, "load_inference_model", never)
     folder = tmp_path / "out"
     output = folder / name
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 2
@@ -134,9 +134,9 @@ def test_a_name_the_loaders_would_misread_is_refused_before_anything_is_written(
 
 
 def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_path, capsys, monkeypatch):
-    import engine.checkpoint
+    import syncseg.engine.checkpoint
 
-    real = engine.checkpoint.load_checkpoint
+    real = syncseg.engine.checkpoint.load_checkpoint
 
     def corrupting(path, **kwargs):
         payload = real(path, **kwargs)
@@ -145,7 +145,7 @@ def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_p
             payload["model"][first] = payload["model"][first] + 1
         return payload
 
-    monkeypatch.setattr(engine.checkpoint, "load_checkpoint", corrupting)
+    monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", corrupting)
     output = tmp_path / "release.safetensors"
     assert _script().main(["--checkpoint", str(checkpoint), "--format", "safetensors", "--output", str(output)]) == 1
     assert _error_lines(capsys) == [f"export.py: error: '{output}' does not hold the checkpoint's tensors; removed it"]
@@ -155,13 +155,13 @@ def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_p
 @pytest.mark.parametrize("fmt", ["torchscript", "safetensors"])
 def test_an_unwritable_output_names_the_path_before_reading_the_checkpoint(checkpoint, tmp_path, capsys,
                                                                            monkeypatch, fmt):
-    import engine.checkpoint
+    import syncseg.engine.checkpoint
 
     def never(*args, **kwargs):
         raise AssertionError("read the checkpoint although the output cannot be written")
 
-    monkeypatch.setattr(engine.checkpoint, "load_checkpoint", never)
-    monkeypatch.setattr(engine.checkpoint, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", never)
+    monkeypatch.setattr(syncseg.engine.checkpoint, "load_inference_model", never)
     blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
     blocker.write_text("not a folder")
     output = blocker / "sub" / f"model{'.safetensors' if fmt == 'safetensors' else '.pt'}"

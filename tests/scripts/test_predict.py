@@ -9,20 +9,20 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from engine.config import load_config, to_dict
+from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+from syncseg.engine.config import load_config, to_dict
 
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn"]
 
 
 def _load_script():
-    return importlib.import_module("scripts.predict")
+    return importlib.import_module("syncseg.commands.predict")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from data import bit_palette
-    from model.builder import build_model
+    from syncseg.data import bit_palette
+    from syncseg.model.builder import build_model
 
     config = load_config(None, TINY)
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ def test_errors_are_one_line(checkpoint, tmp_path, capsys):
 
 
 def _brightness_classes(model, inputs, *, num_classes, **settings):
-    """Stands in for engine.inference.predict: background where the normalized image is dark, class 2
+    """Stands in for syncseg.engine.inference.predict: background where the normalized image is dark, class 2
     where it is bright, so the mask follows the picture (and its orientation)."""
     brightness = inputs.mean(1, keepdim=True)
     logits = torch.full((inputs.shape[0], num_classes, *inputs.shape[-2:]), -10.0)
@@ -113,10 +113,10 @@ def _brightness_classes(model, inputs, *, num_classes, **settings):
 
 
 def test_overlay_colours_objects_only_exif_turns_photos_upright_and_a_legend(checkpoint, tmp_path, monkeypatch):
-    import engine.inference
+    import syncseg.engine.inference
 
     path, config, model, palette = checkpoint
-    monkeypatch.setattr(engine.inference, "predict", _brightness_classes)
+    monkeypatch.setattr(syncseg.engine.inference, "predict", _brightness_classes)
     stored = np.zeros((30, 50, 3), dtype=np.uint8)  # as the camera wrote it: bright on the left
     stored[:, :20] = 230
     stored[:, 20:] = 20 + np.random.default_rng(2).integers(0, 40, (30, 30, 3), dtype=np.uint8)
@@ -161,7 +161,7 @@ def test_a_warning_for_images_far_larger_than_the_training_crop(checkpoint, tmp_
 def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path, monkeypatch):
     import contextlib
 
-    import engine.inference
+    import syncseg.engine.inference
 
     path = checkpoint[0]
     payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -175,7 +175,7 @@ def test_amp_follows_the_checkpoints_eval_amp_unless_given(checkpoint, tmp_path,
         used.append(precision)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(engine.inference, "autocast_for", recording)  # predict_batch's autocast
+    monkeypatch.setattr(syncseg.engine.inference, "autocast_for", recording)  # predict_batch's autocast
     common = ["--input", str(tmp_path / "z.png"), "--output", str(tmp_path / "o"), "--device", "cpu"]
     assert _load_script().main(["--checkpoint", str(bf16), *common]) == 0
     assert _load_script().main(["--checkpoint", str(bf16), *common, "--amp", "off"]) == 0
@@ -257,12 +257,12 @@ def test_a_single_unreadable_input_file_is_a_bad_input(checkpoint, tmp_path, cap
 
 
 def test_an_unwritable_output_names_the_path_before_loading_the_model(checkpoint, tmp_path, capsys, monkeypatch):
-    import engine.checkpoint
+    import syncseg.engine.checkpoint
 
     def never(*args, **kwargs):
         raise AssertionError("loaded the model although the output cannot be written")
 
-    monkeypatch.setattr(engine.checkpoint, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.checkpoint, "load_inference_model", never)
     Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / "y.png")
     blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
     blocker.write_text("not a folder")

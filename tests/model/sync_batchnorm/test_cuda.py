@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from model.sync_batchnorm import DataParallelWithCallback, SynchronizedBatchNorm2d, convert_model
+from syncseg.model.sync_batchnorm import DataParallelWithCallback, SynchronizedBatchNorm2d, convert_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
@@ -89,8 +89,8 @@ def test_data_parallel_under_autocast():
 
 
 def _thread_replica_step(inputs, upstream, channels, memory_format):
-    """Thread replicas of one layer on GPU 0 (the CUDA fused backward), as model.sync_batchnorm.unittest.run_replicas runs them."""
-    from model.sync_batchnorm.unittest import make_replicas, run_replicas
+    """Thread replicas of one layer on GPU 0 (the CUDA fused backward), as syncseg.model.sync_batchnorm.unittest.run_replicas runs them."""
+    from syncseg.model.sync_batchnorm.unittest import make_replicas, run_replicas
 
     sync = SynchronizedBatchNorm2d(channels).cuda()
     with torch.no_grad():
@@ -110,7 +110,7 @@ def _thread_replica_step(inputs, upstream, channels, memory_format):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 def test_fused_backward_thread_replicas_uneven_equal_batchnorm_on_concatenated_batch(dtype, memory_format):
-    from model.sync_batchnorm.functions import uses_fused_kernels
+    from syncseg.model.sync_batchnorm.functions import uses_fused_kernels
 
     splits = [1, 3, 4]
     x = torch.randn(sum(splits), 16, 9, 11, device="cuda") * 2 + 3
@@ -128,8 +128,8 @@ def test_fused_backward_thread_replicas_uneven_equal_batchnorm_on_concatenated_b
 def test_divergence_labels_on_cuda_are_checked_from_an_asynchronous_copy_at_the_next_call(monkeypatch):
     """On CUDA the gathered labels are not read at the exchange (that would wait for the device queue): an
     asynchronous copy is checked at the layer's next synchronized call, which raises naming both layers."""
-    from model.sync_batchnorm import SyncDivergenceError, name_synchronized_layers
-    from model.sync_batchnorm import batchnorm as batchnorm_module
+    from syncseg.model.sync_batchnorm import SyncDivergenceError, name_synchronized_layers
+    from syncseg.model.sync_batchnorm import batchnorm as batchnorm_module
 
     model = name_synchronized_layers(nn.Sequential(SynchronizedBatchNorm2d(3), SynchronizedBatchNorm2d(3)))
     monkeypatch.setattr(batchnorm_module.dist, "get_process_group_ranks", lambda group: [0, 1])
@@ -152,7 +152,7 @@ def test_compiled_synchronized_path_on_one_gpu_gives_the_eager_values():
     tests it (model/sync_batchnorm/tests/test_compile.py)."""
     import copy
 
-    from model.sync_batchnorm import get_sbn_eps_mode, set_sbn_eps_mode
+    from syncseg.model.sync_batchnorm import get_sbn_eps_mode, set_sbn_eps_mode
 
     saved = get_sbn_eps_mode()
     set_sbn_eps_mode("clamp")

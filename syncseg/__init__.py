@@ -1,0 +1,1 @@
+"""syncseg: DeepLabV3 / V3+ semantic segmentation with synchronized BatchNorm."""

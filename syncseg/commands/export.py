@@ -1,0 +1,170 @@
+"""Export a checkpoint (best.pt or last.pt) for deployment, and check the file against PyTorch.
+
+    python scripts/export.py --checkpoint runs/demo/best.pt --format onnx
+    python scripts/export.py --checkpoint runs/voc/best.pt --format exported --size 513,513 --output voc.pt2
+    python scripts/export.py --checkpoint runs/voc/best.pt --format safetensors   (weights for a release)
+
+The model takes normalized float32 images N x C x H x W (C = the checkpoint's data.in_channels; x /
+data.max_value, then (x - mean) / std with its data.mean / data.std; the file's metadata repeats them
+and the class names) and returns
+the logits N x C x H x W. Batch, height and width are dynamic. After writing, the file is run on a
+random sample of --size and on a second size, and compared with PyTorch (ONNX through onnxruntime when
+it is installed).
+
+--format decides the file's format. A safetensors file must be named *.safetensors (eval.py, predict.py
+and model.init_checkpoint know it by that suffix) and no other format may use that suffix: a name that
+breaks this is refused before anything is written.
+
+Exit status and error lines: syncseg/engine/cli.py (0 written and matching, or not checkable, with a
+message; 1 the file does not match PyTorch (a safetensors file that does not read back identical is
+removed), or it could not be written (named); 2 a bad command line, --output name or checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+# torch and the engine are imported after the arguments are parsed, so that --help answers at once.
+
+logger = logging.getLogger("export")
+
+FORMAT_CHOICES = ("onnx", "torchscript", "exported", "safetensors")  # syncseg.engine.export_formats.FORMATS (a test keeps them equal)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Export a syncseg checkpoint to ONNX, TorchScript, torch.export or safetensors, checked "
+                    "against PyTorch.",
+        epilog="Example: python scripts/export.py --checkpoint runs/demo/best.pt --format onnx --size 96,96")
+    parser.add_argument("--checkpoint", required=True, help="a .pt file written by train.py (best.pt or last.pt)")
+    parser.add_argument("--format", required=True, choices=FORMAT_CHOICES,
+                        help="onnx (torch.onnx dynamo exporter), torchscript (traced), exported (torch.export "
+                             ".pt2 program) or safetensors (the weights with config and classes as metadata, "
+                             "for a release; eval.py, predict.py and model.init_checkpoint read it)")
+    parser.add_argument("--size", metavar="H,W",
+                        help="height,width of the sample the model is exported and checked with (default: the "
+                             "checkpoint's data.crop_size); the file accepts other sizes too")
+    parser.add_argument("--output", metavar="PATH",
+                        help="where to write (default: beside the checkpoint, e.g. best.onnx, best.torchscript.pt, "
+                             "best.pt2, best.safetensors)")
+    return parser
+
+
+def parse_size(text: str | None, default: tuple[int, int]) -> tuple[int, int]:
+    """'H,W' (or one number for a square) -> (H, W), each at least 32; `default` (data.crop_size, H,W)
+    when `text` is None; ValueError otherwise."""
+    if text is None:
+        return max(32, default[0]), max(32, default[1])
+    try:
+        values = [int(part) for part in text.replace("x", ",").split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or min(values) < 32:
+        raise ValueError(f"--size {text!r}: expected HEIGHT,WIDTH in pixels, each at least 32 (e.g. 513,513)")
+    return values[0], values[1]
+
+
+def check_output_name(fmt: str, output: Path) -> None:
+    """ValueError when `output`'s name would make the file misread: the loaders (eval.py, predict.py,
+    model.init_checkpoint) take a file for safetensors by its suffix and for a torch.save file otherwise
+    (syncseg.engine.checkpoint.is_safetensors_name)."""
+    from syncseg.engine.checkpoint import SAFETENSORS_SUFFIX, is_safetensors_name
+    from syncseg.engine.export_formats import SUFFIXES
+
+    if fmt == "safetensors" and not is_safetensors_name(output):
+        raise ValueError(
+            f"--format safetensors: --output '{output}' ends in '{output.suffix}', not '{SAFETENSORS_SUFFIX}'; "
+            "eval.py, predict.py and model.init_checkpoint tell a safetensors file by that suffix and would not "
+            f"read this one: use a {SAFETENSORS_SUFFIX} name, e.g. '{output.with_suffix(SAFETENSORS_SUFFIX)}'")
+    if fmt != "safetensors" and is_safetensors_name(output):
+        raise ValueError(
+            f"--format {fmt}: --output '{output}' ends in '{SAFETENSORS_SUFFIX}', which eval.py, predict.py and "
+            f"model.init_checkpoint read as safetensors weights: use another name, e.g. "
+            f"'{output.with_suffix(SUFFIXES[fmt])}'")
+
+
+def _read_back_problem(path: Path, state: dict) -> str | None:
+    """None when the safetensors file at `path` loads as a checkpoint holding exactly `state`'s tensors,
+    else what is wrong with it."""
+    import torch
+
+    from syncseg.engine.checkpoint import load_checkpoint
+
+    try:
+        reread = load_checkpoint(path)["model"]
+    except ValueError as error:
+        return f"does not read back: {error}"
+    if reread.keys() != state.keys() or not all(torch.equal(reread[key], value) for key, value in state.items()):
+        return "does not hold the checkpoint's tensors"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export and check as `args` say; returns 0, or raises (syncseg/engine/cli.py maps the exception)."""
+    import torch
+
+    from syncseg.engine.checkpoint import load_checkpoint, load_inference_model, save_safetensors
+    from syncseg.engine.cli import CommandFailed, writing
+    from syncseg.engine.export_formats import (SUFFIXES, MissingRuntimeError, check_against_pytorch, export_metadata, export_model,
+                               export_ready, load_runner, sample_inputs)
+
+    if args.size is not None:
+        parse_size(args.size, (0, 0))  # a bad --size fails before the model is loaded
+    checkpoint = Path(args.checkpoint)
+    output = Path(args.output) if args.output else checkpoint.with_name(checkpoint.stem + SUFFIXES[args.format])
+    if output.resolve() == checkpoint.resolve():
+        raise ValueError(f"--output '{output}' is the checkpoint itself; choose another path")
+    check_output_name(args.format, output)  # before anything is read or written
+    # an unwritable folder fails now, not after the export; worded as syncseg.engine.atomic words a failed write
+    with writing("safetensors file" if args.format == "safetensors" else "export", output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+    if args.format == "safetensors":
+        payload = load_checkpoint(checkpoint)
+        with writing("safetensors file", output):
+            save_safetensors(output, payload)
+        problem = _read_back_problem(output, payload["model"])
+        if problem is not None:  # a file the loaders would reject is not left behind
+            output.unlink(missing_ok=True)
+            raise CommandFailed(f"'{output}' {problem}; removed it")
+        logger.info("wrote %s (%.1f MB): %d tensors, the config and classes as metadata; reads back identical",
+                    output, output.stat().st_size / 2**20, len(payload["model"]))
+        return 0
+    loaded = load_inference_model(checkpoint, device=torch.device("cpu"), overrides=["model.channels_last=false"])
+    module = export_ready(loaded.model)
+    height, width = parse_size(args.size, loaded.config.data.crop_size)
+    inputs = sample_inputs(height, width, channels=loaded.config.data.in_channels)
+    metadata = export_metadata(classes=loaded.classes, config=loaded.config, checkpoint=checkpoint,
+                               iteration=loaded.iteration)
+    with writing("export", output):
+        dynamic = export_model(module, args.format, output, sample=inputs[0], metadata=metadata)
+    logger.info("wrote %s (%s, %d classes; %s)", output, args.format, len(loaded.classes), dynamic)
+    try:
+        runner = load_runner(args.format, output)
+    except MissingRuntimeError as missing:
+        logger.warning("%s", missing)
+        return 0
+    result = check_against_pytorch(module, runner, inputs)
+    if not result.passed:
+        raise CommandFailed(f"'{output}' does not match PyTorch: {result.describe()}")
+    logger.info("checked against PyTorch: %s", result.describe())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Export as the command line says; returns the exit status (syncseg/engine/cli.py)."""
+    from syncseg.engine.cli import TIME_FORMAT, run_command
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt=TIME_FORMAT)
+    for chatty in ("onnx_ir", "onnxscript", "torch.onnx", "torch.export", "torch._export"):  # per-pass notes
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    return run_command("export.py", lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

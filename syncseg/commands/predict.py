@@ -1,0 +1,212 @@
+"""Run a trained checkpoint on your own images: color masks and overlays, any image size.
+
+    python scripts/predict.py --checkpoint runs/voc/best.pt --input photo.jpg --output out/ --legend
+    python scripts/predict.py --checkpoint runs/cityscapes/best.pt --input frames/ --output out/ --mode slide
+
+For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored with
+the dataset palette) and <output>/<name>_overlay.png (the photo with the color of each class blended in at
+--alpha; pixels of the class named "background" keep the photo's own colors); --legend also writes
+<output>/legend.png (color and name of each class). With a folder, images are found recursively and the
+subfolders are kept. Photos are turned upright by their EXIF orientation (as viewers show them; the masks
+match the upright image). Images are read in the checkpoint's format (data.in_channels, data.max_value:
+16-bit, 1- or N-channel PNG and TIFF as stored; an image of another channel count or bit depth is skipped,
+naming both); the overlay of such an image is drawn on its first channel (grey) or first three, scaled to 8
+bits. The image is predicted by syncseg.engine.inference.predict_batch, as validation and eval.py predict
+(normalization, the checkpoint's eval.mode/scales/flip and eval.amp unless flags say otherwise); masks are at
+the original resolution (data.base_size > 0 predicts at that long side, then resizes the logits back). An
+image whose long side is more than LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it
+are likely much larger than the model ever saw, so set data.base_size (or use --mode slide for a model trained
+on crops of such images).
+
+An image of a folder that cannot be read is skipped with a warning naming it and the reason; the
+others are predicted, and the last line says how many (and which) failed. Exit status and error
+lines: syncseg/engine/cli.py (0 every image written; 1 some image of a folder could not be read, or an output
+could not be written (named); 2 a bad command line, checkpoint or --input, a single unreadable
+--input file included).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The engine is imported after the arguments are parsed, so that --help answers at once.
+
+logger = logging.getLogger("predict")
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+LARGE_IMAGE_FACTOR = 2  # warn when the long side predicted at exceeds this many training crops
+NAMED_FAILURES = 3  # the summary names this many of the images that could not be read
+
+
+@dataclass
+class Outcome:
+    """What run() did: the images written and those skipped because they could not be read."""
+
+    num_images: int
+    skipped: list[Path] = field(default_factory=list)
+
+    @property
+    def num_written(self) -> int:
+        return self.num_images - len(self.skipped)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Predict segmentation masks for images with a trained checkpoint.")
+    parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py (or a "
+                                                            ".safetensors file from scripts/export.py)")
+    parser.add_argument("--input", required=True, help="an image file or a folder of images (searched recursively)")
+    parser.add_argument("--output", required=True, help="folder for <name>_mask.png and <name>_overlay.png")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--mode", help="whole or slide (default: the checkpoint's eval.mode)")
+    parser.add_argument("--scales", help="comma-separated test scales (default: the checkpoint's eval.scales)")
+    parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                        help="also predict the mirrored image and average (default: the checkpoint's eval.flip)")
+    parser.add_argument("--amp", help="autocast: auto, off, fp16 or bf16 (default: the checkpoint's eval.amp)")
+    parser.add_argument("--alpha", type=float, default=0.5,
+                        help="overlay opacity of the class colors, 0..1 (background pixels stay untouched)")
+    parser.add_argument("--legend", action="store_true", help="also write <output>/legend.png: each class color "
+                                                              "and name")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, e.g. eval.window_size=769 eval.stride=512 data.base_size=1024")
+    return parser.parse_intermixed_args(argv)
+
+
+def find_images(path: Path) -> list[tuple[Path, Path]]:
+    """(image file, output stem relative to the output folder) for a file or a folder (recursive)."""
+    if path.is_file():
+        return [(path, Path(path.stem))]
+    if not path.is_dir():
+        raise FileNotFoundError(f"--input '{path}' is neither an image file nor a folder")
+    images = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not images:
+        raise FileNotFoundError(f"--input '{path}' holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    return [(image, image.relative_to(path).with_suffix("")) for image in images]
+
+
+def palette_for(dataset: str, num_classes: int) -> Any:
+    """The dataset's palette without opening the dataset (its files may not exist here)."""
+    from syncseg.data import bit_palette
+
+    if dataset == "cityscapes":
+        from syncseg.data.cityscapes import CITYSCAPES_PALETTE
+
+        if len(CITYSCAPES_PALETTE) == num_classes:
+            return CITYSCAPES_PALETTE
+    return bit_palette(num_classes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Predict as the command line says; returns the exit status (syncseg/engine/cli.py)."""
+    from syncseg.engine.cli import TIME_FORMAT, CommandFailed, run_command
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt=TIME_FORMAT)
+
+    def body() -> int:
+        outcome = run(args)
+        if outcome.skipped:
+            names = ", ".join(str(path) for path in outcome.skipped[:NAMED_FAILURES])
+            more = len(outcome.skipped) - NAMED_FAILURES
+            raise CommandFailed(
+                f"{len(outcome.skipped)} of {outcome.num_images} image(s) could not be read and were skipped "
+                f"({names}{f' and {more} more' if more > 0 else ''}; the warnings above say why); wrote masks "
+                f"and overlays for the other {outcome.num_written} to {args.output}")
+        logger.info("wrote masks and overlays for %d image(s) to %s", outcome.num_written, args.output)
+        return 0
+
+    return run_command("predict.py", body)
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    """Predict every image of --input. An unreadable image of a folder is skipped with a warning (and
+    counted in the Outcome); a single unreadable --input file is a ValueError, like the other errors
+    of the command line. An output that cannot be written is an OSError naming it (nothing is skipped:
+    the next image would meet the same full disk)."""
+    import numpy as np
+    import torch
+
+    from syncseg.data import BadSampleError, palette_image
+    from syncseg.data.images import ImageFormat, display_rgb, read_image
+    from syncseg.engine.checkpoint import load_inference_model
+    from syncseg.engine.cli import writing
+    from syncseg.engine.devices import inference_device
+    from syncseg.engine.devices import log_precision
+    from syncseg.engine.inference import predict_batch
+    from syncseg.engine.visualize import background_indices, legend_image, overlay, save_png
+
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"--alpha {args.alpha} must lie in [0, 1]")
+    images = find_images(Path(args.input))
+    single_file = Path(args.input).is_file()
+    output = Path(args.output)
+    with writing("masks and overlays under", output):  # before the model is loaded, not after the first image
+        output.mkdir(parents=True, exist_ok=True)
+    device = inference_device(args.device)
+    loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides,
+                                  flags={"eval.mode": args.mode, "eval.scales": args.scales, "eval.flip": args.flip,
+                                         "eval.amp": args.amp})
+    config, classes, model = loaded.config, loaded.classes, loaded.model
+    palette = np.asarray(palette_for(config.data.dataset, len(classes)), dtype=np.uint8)
+    base_size = config.data.base_size
+    eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
+    uncoloured = background_indices(classes)
+    image_format = ImageFormat.of(config.data)  # the checkpoint's data.in_channels and data.max_value
+    outcome = Outcome(num_images=len(images))
+    large = []
+    for image_path, stem in images:
+        try:  # H x W x 3 uint8 RGB upright as viewers show it, or the checkpoint's channels and bit depth
+            image = read_image(image_path, image_format, exif_orientation=True)
+        except BadSampleError as error:  # names the file and the reason
+            if single_file:
+                raise
+            logger.warning("skipping %s: %s", image_path, error)
+            outcome.skipped.append(image_path)
+            continue
+        height, width = image.shape[:2]
+        crop = config.data.crop_size  # (height, width)
+        if too_large(max(height, width), base_size=base_size, crop_size=max(crop), mode=eval_cfg.mode):
+            if not large:
+                crop_text = str(crop[0]) if crop[0] == crop[1] else f"{crop[0]},{crop[1]}"
+                logger.warning("%s is %dx%d, more than %d times the training crop (data.crop_size=%s): objects in it "
+                               "are probably far larger than the model saw in training, and it may mislabel them. "
+                               "Set data.base_size=%d to predict at a long side of that size (or use --mode slide "
+                               "with eval.window_size=%s if the model was trained on crops of images this large)",
+                               image_path, width, height, LARGE_IMAGE_FACTOR, crop_text, max(crop), crop_text)
+            large.append(image_path)
+        batch = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].to(device)
+        with torch.inference_mode():
+            logits = predict_batch(model, batch, num_classes=len(classes), data_cfg=config.data, eval_cfg=eval_cfg,
+                                   long_side=base_size)
+        labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()
+        target = output / stem  # save_png creates the folders
+        with writing("masks and overlays under", output):
+            save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
+            save_png(overlay(display_rgb(image, image_format.max_value), labels, palette, alpha=args.alpha,
+                             uncoloured=uncoloured),
+                     target.with_name(f"{target.name}_overlay.png"))
+        present = ", ".join(classes[index] for index in np.unique(labels))
+        logger.info("%s (%dx%d): %s", image_path, width, height, present)
+    if len(large) > 1:
+        logger.warning("%d of %d images were that large (see the warning above)", len(large), len(images))
+    if args.legend:
+        with writing("the legend under", output):
+            save_png(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4))),
+                     output / "legend.png")
+    return outcome
+
+
+def too_large(long_side: int, *, base_size: int, crop_size: int, mode: str) -> bool:
+    """Whether an image is predicted at a scale far beyond training's: in whole-image mode, its long
+    side (data.base_size when that resizes it) over LARGE_IMAGE_FACTOR times the crop's long side."""
+    predicted = base_size if base_size > 0 else long_side
+    return mode == "whole" and predicted > LARGE_IMAGE_FACTOR * crop_size
+
+
+if __name__ == "__main__":
+    sys.exit(main())

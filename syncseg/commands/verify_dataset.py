@@ -1,0 +1,287 @@
+"""Check a dataset before training: sample counts, readable files, matching sizes, label ranges, and
+per-class pixel frequencies (with median-frequency class weights usable as train.class_weights). Like
+the start of training, it also looks at a sample of masks for encodings that train wrong (binary 0/255
+masks whose foreground is the ignore label, grey-level-coded classes) and prints the config that reads
+them (WARNING lines).
+
+The images are described as their files store them (channels, bit depth, value range), with the
+config lines that read them and normalize them by their own per-channel mean and std
+(data.in_channels, data.max_value, data.mean, data.std); a WARNING says when the config reads them
+otherwise (e.g. 16-bit or single-channel files read as 8-bit RGB).
+
+    python scripts/verify_dataset.py --config voc.yaml data.root=/data/VOCdevkit/VOC2012
+    python scripts/verify_dataset.py --config cityscapes.yaml --splits val --workers 8 --output stats.json
+    python scripts/verify_dataset.py --config ade20k.yaml data.root=/data/ADEChallengeData2016
+
+Exit status and error lines: syncseg/engine/cli.py (0 every sample is good; 1 some are bad (each is listed),
+or --output cannot be written (named); 2 the dataset or config cannot be opened). A count that
+differs from the official one is reported, not an error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# numpy, torch and the data package are imported where used, so that --help answers at once.
+
+# Official sizes of complete datasets: (dataset, split) -> images
+EXPECTED_COUNTS = {
+    ("voc", "train"): 1464,
+    ("voc", "val"): 1449,
+    ("voc", "trainval"): 2913,
+    ("voc", "train_aug"): 10582,
+    ("cityscapes", "train"): 2975,
+    ("cityscapes", "val"): 500,
+    ("ade20k", "training"): 20210,
+    ("ade20k", "validation"): 2000,
+}
+
+
+class _Stats:
+    """Per-sample statistics (or the error) computed in loader workers (a map-style dataset)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        import numpy as np
+
+        from syncseg.data import BadSampleError
+        from syncseg.data.images import read_stored_image
+
+        try:
+            image, mask = self.dataset.load(index)
+        except (BadSampleError, OSError) as error:
+            return {"index": index, "error": str(error)}
+        stored = image
+        if getattr(self.dataset, "image_format", None) is not None and self.dataset.image_format.is_rgb8:
+            try:  # the 8-bit RGB reader converts: describe the file as it is
+                stored = read_stored_image(self.dataset.samples[index][0])
+            except BadSampleError:
+                pass  # stored in a way only the RGB reader reads (e.g. a float TIFF): describe what training sees
+        values = stored.reshape(-1, stored.shape[2]).astype(np.float64)
+        return {"index": index, "height": image.shape[0], "width": image.shape[1],
+                "counts": np.bincount(mask.ravel(), minlength=256),
+                "format": (stored.shape[2], 8 * stored.dtype.itemsize), "sum": values.sum(0),
+                "squares": np.square(values).sum(0), "min": values.min(0), "max": values.max(0)}
+
+
+FULL_SCALES = (1023, 4095, 16383, 65535)  # 10-, 12-, 14- and 16-bit data stored in 16-bit files
+
+
+class ChannelStats:
+    """Per-channel sums, range and pixel count of the images of one stored format (channels, bits)."""
+
+    def __init__(self, channels: int, bits: int) -> None:
+        import numpy as np
+
+        self.channels, self.bits, self.num_images, self.num_pixels = channels, bits, 0, 0
+        self.sum, self.squares = np.zeros(channels), np.zeros(channels)
+        self.low, self.high = np.full(channels, np.inf), np.full(channels, -np.inf)
+
+    def add(self, item: dict[str, Any]) -> None:
+        import numpy as np
+
+        self.num_images += 1
+        self.num_pixels += item["height"] * item["width"]
+        self.sum += np.asarray(item["sum"])  # the loader hands the worker's arrays over as tensors
+        self.squares += np.asarray(item["squares"])
+        self.low = np.minimum(self.low, np.asarray(item["min"]))
+        self.high = np.maximum(self.high, np.asarray(item["max"]))
+
+    def full_scale(self) -> int:
+        """255 for 8-bit files, else the smallest FULL_SCALES value that holds the largest value seen."""
+        if self.bits == 8:
+            return 255
+        return next((scale for scale in FULL_SCALES if self.high.max() <= scale), FULL_SCALES[-1])
+
+    def config(self) -> dict[str, Any]:
+        """data.in_channels, max_value, mean and std (units of max_value) for these images, and the mean
+        and std in the images' own units."""
+        import numpy as np
+
+        mean = self.sum / self.num_pixels
+        std = np.sqrt(np.maximum(self.squares / self.num_pixels - mean ** 2, 0.0))
+        std[std == 0] = 1.0  # a constant channel: any positive std normalizes it to a constant
+        scale = self.full_scale()
+
+        def rounded(values: Any, digits: int) -> list[float]:
+            return [round(float(value), digits) for value in values]
+
+        return {"in_channels": self.channels, "max_value": scale, "mean": rounded(mean / scale, 4),
+                "std": rounded(std / scale, 4), "mean_in_image_units": rounded(mean, 1),
+                "std_in_image_units": rounded(std, 1)}
+
+    def describe(self) -> str:
+        ranges = ", ".join(f"{low:g}..{high:g}" for low, high in zip(self.low, self.high))
+        return (f"{self.num_images} image(s) of {self.channels} channel(s), {self.bits}-bit, values per channel "
+                f"{ranges}")
+
+
+def format_warning(stats: ChannelStats, data_cfg: Any) -> str | None:
+    """What is wrong with reading images of `stats`' format with `data_cfg` (data.in_channels,
+    data.max_value), or None."""
+    reads = f"the config (data.in_channels={data_cfg.in_channels}, data.max_value={data_cfg.max_value})"
+    rgb8 = data_cfg.in_channels == 3 and data_cfg.max_value <= 255
+    largest = stats.high.max()
+    if stats.bits == 16 and rgb8:
+        return (f"the images are 16-bit (values up to {largest:g}) but {reads} reads them as 8-bit RGB, cut to their "
+                "top 8 bits; use the config lines above")
+    if rgb8 and stats.channels in (1, 4):
+        kept = "grey tripled" if stats.channels == 1 else "the 4th channel dropped"
+        return (f"the images have {stats.channels} channel(s); {reads} reads them as RGB ({kept}): to keep them as "
+                "they are, use the config lines above")
+    if stats.channels != data_cfg.in_channels:
+        return f"the images have {stats.channels} channel(s) but {reads} expects {data_cfg.in_channels}"
+    if largest > data_cfg.max_value:
+        return (f"values up to {largest:g} exceed data.max_value={data_cfg.max_value}, the full scale they are "
+                "divided by")
+    return None
+
+
+def print_image_formats(formats: dict[tuple[int, int], ChannelStats], data_cfg: Any) -> list[str]:
+    """Print the images' stored formats and the config lines of the most common one, and a WARNING when
+    the config reads them otherwise; returns the warnings."""
+    if not formats:
+        return []
+    for stats in formats.values():
+        print(f"  images as stored: {stats.describe()}")
+    stats = max(formats.values(), key=lambda item: item.num_images)
+    lines = stats.config()
+
+    def listed(key: str) -> str:
+        return ",".join(f"{value:g}" for value in lines[key])
+
+    which = "the most common of these images" if len(formats) > 1 else "these images"
+    print(f"  config lines for {which} (data:), normalized by their own mean and std:\n"
+          f"    in_channels: {lines['in_channels']}\n    max_value: {lines['max_value']}\n"
+          f"    mean: [{listed('mean')}]    # x / max_value; in the images' units: {lines['mean_in_image_units']}\n"
+          f"    std: [{listed('std')}]    # in the images' units: {lines['std_in_image_units']}\n"
+          f"  command line: data.in_channels={lines['in_channels']} data.max_value={lines['max_value']} "
+          f"data.mean={listed('mean')} data.std={listed('std')}")
+    warning = format_warning(stats, data_cfg)
+    if warning is not None:
+        print(f"  WARNING: {warning}")
+    return [warning] if warning is not None else []
+
+
+def verify_split(dataset: Any, *, workers: int = 0, limit: int = 0) -> dict[str, Any]:
+    """Statistics of one split: counts, size range, class pixel counts, bad samples."""
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+
+    indices = range(min(len(dataset), limit) if limit > 0 else len(dataset))
+    loader = DataLoader(torch.utils.data.Subset(_Stats(dataset), list(indices)), batch_size=None,
+                        num_workers=workers)
+    pixels = np.zeros(256, dtype=np.int64)
+    bad, heights, widths = [], [], []
+    formats: dict[tuple[int, int], ChannelStats] = {}
+    for item in loader:
+        if "error" in item:
+            bad.append(item["error"])
+            continue
+        heights.append(item["height"])
+        widths.append(item["width"])
+        pixels += np.asarray(item["counts"], dtype=np.int64)
+        formats.setdefault(tuple(item["format"]), ChannelStats(*item["format"])).add(item)
+    num_classes = dataset.num_classes
+    class_pixels = pixels[:num_classes]
+    frequencies = class_pixels / max(1, class_pixels.sum())
+    present = frequencies > 0
+    weights = np.zeros(num_classes)
+    if present.any():
+        weights[present] = np.median(frequencies[present]) / frequencies[present]
+    return {
+        "num_samples": len(dataset),
+        "num_checked": len(indices),
+        "num_bad": len(bad),
+        "bad": bad,
+        "height_range": [min(heights), max(heights)] if heights else None,
+        "width_range": [min(widths), max(widths)] if widths else None,
+        "ignore_pixels": int(pixels[dataset.ignore_index]),
+        "classes": list(dataset.classes),
+        "class_pixels": class_pixels.tolist(),
+        "class_frequency": frequencies.tolist(),
+        "median_frequency_weights": weights.round(4).tolist(),
+        "image_formats": formats,  # replaced by plain values for the JSON report
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="config name in configs/ or a YAML path")
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides, e.g. data.root=/data/VOC2012")
+    parser.add_argument("--splits", default="", help="comma-separated splits (default: data.train_split,data.val_split)")
+    parser.add_argument("--workers", type=int, default=0, help="decoding processes")
+    parser.add_argument("--limit", type=int, default=0, help="check only the first N samples of each split")
+    parser.add_argument("--output", default="", help="also write the statistics as JSON here")
+    args = parser.parse_args(argv)
+    from syncseg.engine.cli import run_command
+
+    return run_command("verify_dataset.py", lambda: verify(args))
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Check the splits `args` name and print the report; returns 0, or 1 when some sample is bad.
+    FileNotFoundError / ValueError when the config or a dataset cannot be opened."""
+    from syncseg.data import SegmentationDataset, build_dataset
+    from syncseg.data.base import START_CHECK_MASKS
+    from syncseg.engine.atomic import write_atomically
+    from syncseg.engine.cli import writing
+    from syncseg.engine.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    data_cfg = config.data
+    splits = [s for s in args.splits.split(",") if s] or list(dict.fromkeys([data_cfg.train_split,
+                                                                                data_cfg.val_split]))
+    datasets = {split: build_dataset(data_cfg, split, train=False) for split in splits}
+    report: dict[str, Any] = {"dataset": data_cfg.dataset, "root": data_cfg.root, "splits": {}}
+    total_bad = 0
+    for split, dataset in datasets.items():
+        stats = verify_split(dataset, workers=args.workers, limit=args.limit)
+        # the dataset's own name for the split (ADE20K: train -> training)
+        expected = EXPECTED_COUNTS.get((data_cfg.dataset, getattr(dataset, "split", split)))
+        stats["expected_samples"] = expected
+        report["splits"][split] = stats
+        total_bad += stats["num_bad"]
+        count_note = ""
+        if expected is not None:
+            count_note = " (complete)" if stats["num_samples"] == expected else f" (INCOMPLETE: the full split has {expected})"
+        print(f"[{data_cfg.dataset} {split}] {stats['num_samples']} samples{count_note}; checked {stats['num_checked']}, "
+              f"bad {stats['num_bad']}; height {stats['height_range']}, width {stats['width_range']}; "
+              f"ignore ({dataset.ignore_index}) pixels {stats['ignore_pixels']}")
+        for message in stats["bad"]:
+            print(f"  BAD: {message}")
+        formats = stats.pop("image_formats")
+        stats["image_warnings"] = print_image_formats(formats, data_cfg)
+        stats["image_formats"] = [{**item.config(), "bits": item.bits, "num_images": item.num_images,
+                                   "value_range": [item.low.tolist(), item.high.tolist()]}
+                                  for item in formats.values()]
+        if isinstance(dataset, SegmentationDataset):  # the start of training's look at the masks
+            stats["warnings"] = dataset.inspect_masks(START_CHECK_MASKS).warnings
+            for message in stats["warnings"]:
+                print(f"  WARNING: {message}")
+        print(f"  {'id':>3} {'class':<22} {'pixels':>14} {'frequency':>10} {'weight':>8}")
+        for index, name in enumerate(stats["classes"]):
+            print(f"  {index:>3} {name:<22} {stats['class_pixels'][index]:>14} "
+                  f"{stats['class_frequency'][index]:>10.5f} {stats['median_frequency_weights'][index]:>8.3f}")
+        missing = [name for name, count in zip(stats["classes"], stats["class_pixels"]) if count == 0]
+        if missing:
+            print(f"  classes with no pixels: {', '.join(missing)}")
+    if args.output:
+        text = json.dumps(report, indent=2).encode()
+        with writing("statistics", args.output):  # atomically: an earlier file there stays whole on failure
+            write_atomically(Path(args.output), lambda file: file.write(text), what="statistics")
+        print(f"wrote {args.output}")
+    return 1 if total_bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

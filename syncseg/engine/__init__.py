@@ -1,0 +1,25 @@
+"""The training and inference engine: everything between the command lines and the model/data packages.
+
+    config/          the schema (every key, choice, limit, default) and its YAML / KEY=VALUE io
+    build.py         build_training(config, dist_info) -> TrainingParts (datasets ... loaders)
+    trainer.py       Trainer(parts): the loop (fit, train_step, validate), state_dict / load_state_dict
+    checkpoint.py    the checkpoint format, torch.save / torch.load, Checkpointer, loading for inference
+    inference.py     predict_batch: the one inference entry point (validation, eval.py, grids, predict.py)
+    evaluate.py      evaluate() over a sharded, non-padding eval loader
+    confusion.py     ConfusionMatrix (on device, all-reduced)
+    devices.py       --gpus / --device parsing; precision (train.amp / eval.amp) and autocast
+    distributed.py   topology (CPU, DataParallelWithCallback, torchrun / srun DDP) and collectives
+    run_plan.py      the run dir: lock, fresh or resume, what every rank loads
+    signals.py       stop requests agreed by all ranks
+    samplers.py      resumable training batches and the training loader
+    seeding.py       per-sample seeds, worker init, every RNG's state
+    loss.py          SegmentationLoss (loss_terms.py: focal, Dice, Lovasz);  accumulation.py  micro-batches of one
+                     step;  optim.py  groups, optimizer, LR
+    ema.py           the average of the weights;  precise_bn.py  BatchNorm statistics recomputed before validation
+    reporting.py     metrics.jsonl, TensorBoard, progress lines;  visualize.py  grids, legends, overlays
+    export_formats.py  ONNX / TorchScript / torch.export / safetensors files, checked against PyTorch
+    atomic.py        atomic file writes;  cli.py  the error contract (exit statuses, error lines) of every command
+
+Imports point down only: command lines -> engine -> model, data -> syncseg.model.sync_batchnorm -> torch. Importing
+the package imports nothing (no side effects); import the module you need.
+"""

@@ -1,0 +1,397 @@
+"""The configuration schema: frozen dataclasses, and the one place every allowed value and limit is stated.
+
+Choices are `Literal` annotations; numeric limits are `Limit`s attached to their fields; rules that
+involve several fields are in `validate()`. Builders and datasets receive validated sections and do
+not check them again. Reading YAML, the `base:` chain, command-line overrides and the dict round trip
+live in syncseg/engine/config/io.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from syncseg.data import FIXED_NUM_CLASSES, IGNORE
+from syncseg.data.images import MAX_16BIT, MAX_8BIT, MAX_CHANNELS, RGB_CHANNELS
+from syncseg.data.masks import LabelTarget
+from syncseg.data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
+from syncseg.model.timm_encoder import TIMM_PREFIX
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+# autocast for training (train.amp) and inference (eval.amp); auto: by the device's capability
+# (syncseg.engine.devices.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32)
+Precision = Literal["auto", "off", "fp16", "bf16"]
+
+
+@dataclass(frozen=True)
+class Limit:
+    """Bounds for a number, or for every element of a tuple of numbers."""
+
+    ge: float | None = None  # >=
+    gt: float | None = None  # >
+    le: float | None = None  # <=
+    lt: float | None = None  # <
+
+    def violated_by(self, value: float) -> bool:
+        return ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+                or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt))
+
+    def describe(self) -> str:
+        parts = [f">= {self.ge:g}" if self.ge is not None else "", f"> {self.gt:g}" if self.gt is not None else "",
+                 f"<= {self.le:g}" if self.le is not None else "", f"< {self.lt:g}" if self.lt is not None else ""]
+        return " and ".join(part for part in parts if part)
+
+
+def _limited(default: Any, limit: Limit) -> Any:
+    return field(default=default, metadata={"limit": limit})
+
+
+def _or_prefixed(default: Any, prefix: str, meaning: str) -> Any:
+    """A Literal field that also takes `<prefix><name>` (any non-empty name), e.g. model.backbone=timm:<name>."""
+    return field(default=default, metadata={"prefix": prefix, "prefix_meaning": meaning})
+
+
+@dataclass(frozen=True)
+class SquareIfOne:
+    """Marks a (height, width) field: one integer (in a file, on the command line, in an old
+    checkpoint's config) means a square, so `data.crop_size=513` is (513, 513)."""
+
+
+PixelSize = Annotated[tuple[int, int], SquareIfOne()]  # (height, width) in pixels
+
+
+@dataclass(frozen=True)
+class ValueToClass:
+    """Marks data.label_map: raw mask value -> class index or "ignore". A mapping in YAML ({255: 1}),
+    `255:1,128:ignore` on the command line; held as ((raw, target), ...) sorted by raw value."""
+
+
+@dataclass(frozen=True)
+class ColourToClass:
+    """Marks data.class_colors: mask colour -> class index or "ignore". A mapping in YAML whose keys are
+    "R,G,B" or "#rrggbb" ({"0,0,0": 0, "#ff0000": 1}), `#000000:0,#ff0000:1` on the command line; held
+    as (((R, G, B), target), ...) sorted by colour."""
+
+
+@dataclass(frozen=True)
+class WeightedTerms:
+    """Marks train.loss: loss name -> weight, in order. A list of one-key mappings in YAML
+    ([ce: 1.0, dice: 1.0]; a mapping or bare names, weight 1, work too), `ce:1,dice:1` on the command
+    line; held as ((name, weight), ...)."""
+
+
+LabelMap = Annotated[tuple[tuple[int, LabelTarget], ...], ValueToClass()]
+ClassColors = Annotated[tuple[tuple[tuple[int, int, int], LabelTarget], ...], ColourToClass()]
+LossTerms = Annotated[tuple[tuple[str, float], ...], WeightedTerms()]
+# train.loss names (syncseg.engine.loss implements exactly these)
+LOSS_TERMS = ("ce", "dice", "focal", "lovasz")
+
+
+_POSITIVE = Limit(ge=1)
+_NON_NEGATIVE = Limit(ge=0)
+_LABEL = Limit(ge=0, le=255)  # masks are 8-bit PNGs
+SYNTHETIC_MAX_CLASSES = 8  # background + syncseg.data.synthetic.SHAPE_NAMES (a test keeps the two equal)
+FIXED_CLASS_DATASETS = ("voc", "cityscapes", "ade20k")  # their class lists come with the dataset
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: Literal["voc", "cityscapes", "ade20k", "synthetic", "folder"] = "synthetic"
+    root: str = ""  # dataset root folder (unused by synthetic)
+    # voc: train | train_aug; cityscapes: train; ade20k: training (= train); folder: a list-file stem or "all"
+    train_split: str = "train"
+    val_split: str = "val"  # ade20k: validation (= val)
+    crop_size: PixelSize = _limited((513, 513), _POSITIVE)  # training crop H,W (one int: square), pixels
+    scale_range: tuple[float, float] = _limited((0.5, 2.0), Limit(gt=0))  # random rescale factors, low <= high
+    base_size: int = _limited(0, _NON_NEGATIVE)  # eval: resize the long side to this many pixels (0 = as is)
+    hflip: bool = True
+    photometric: bool = False  # colour jitter + blur during training
+    num_workers: int = _limited(4, _NON_NEGATIVE)
+    ignore_index: int = _limited(IGNORE_INDEX, _LABEL)  # mask value that no loss or metric counts
+    num_classes: int = _limited(0, _LABEL)  # folder (required) / synthetic (2..8): class count; 0 = default
+    class_names: tuple[str, ...] = ()  # folder: optional names, len == num_classes
+    skip_bad_samples: bool = False  # warn and skip unreadable / inconsistent samples instead of raising
+    # mask encodings (README "Your own data"); every file-backed dataset reads its masks through one table
+    label_map: LabelMap = ()  # raw mask value -> class index or ignore, over the dataset's own reading
+    reduce_zero_label: bool = False  # folder: raw 0 is ignored and raw k is class k-1 (ADE-style masks)
+    class_colors: ClassColors = ()  # colour-coded masks: RGB colour -> class index or ignore
+    # images beyond 8-bit RGB (data/images.py; folder datasets): channels per pixel, and the value of full
+    # scale, which also says the bit depth: up to 255 the files are 8-bit, above it 16-bit (4095: 12-bit data)
+    in_channels: int = _limited(RGB_CHANNELS, Limit(ge=1, le=MAX_CHANNELS))
+    max_value: int = _limited(MAX_8BIT, Limit(ge=1, le=MAX_16BIT))
+    # one value per channel in units of the full scale, (x / max_value - mean) / std on the device
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = _limited(IMAGENET_STD, Limit(gt=0))
+    # synthetic dataset
+    synthetic_image_size: int = _limited(128, Limit(ge=16))  # smaller leaves shapes of a few pixels
+    synthetic_train_size: int = _limited(2000, _POSITIVE)  # number of training images
+    synthetic_val_size: int = _limited(100, _POSITIVE)
+    seed: int = 0  # synthetic generator seed (train and val use disjoint streams)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: Literal["deeplabv3", "deeplabv3plus"] = "deeplabv3plus"
+    # torchvision backbones, or timm:<name> for a timm encoder (model/timm_encoder.py checks the name)
+    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v2", "mobilenet_v3_large"] = (
+        _or_prefixed("resnet50", TIMM_PREFIX, "a timm encoder"))
+    output_stride: Literal[8, 16, 32] = 16
+    pretrained_backbone: str = "none"  # none | imagenet | path to a backbone state dict
+    init_checkpoint: str = ""  # segmentation checkpoint to fine-tune from (classifier skipped on mismatch)
+    norm: Literal["syncbn", "bn", "frozen_bn"] = "syncbn"
+    # under torchrun/srun, synchronized BatchNorm reduces within groups of this many consecutive ranks (e.g.
+    # one node's GPUs); 0 = over all processes. The world size must be a multiple (syncseg.engine.distributed)
+    syncbn_group_size: int = _limited(0, _NON_NEGATIVE)
+    aux_loss: bool = False  # auxiliary FCN head on layer3
+    aspp_rates: tuple[int, ...] = _limited((), _POSITIVE)  # () = from output_stride (6/12/18 at 16, 12/24/36 at 8)
+    head_channels: int = _limited(256, _POSITIVE)  # ASPP / decoder width
+    # dropout after the ASPP projection (DeepLab's and torchvision's 0.5); short runs from scratch learn
+    # faster without it (the demo: val mIoU 0.26 -> 0.38 after 375 iterations)
+    aspp_dropout: float = _limited(0.5, Limit(ge=0, le=0.9))
+    # memory layout of activations: auto = channels-last when train.amp runs as bf16 or fp16 on the device,
+    # whose kernels want it (AMX: the demo's bf16 step took 2x as long without it), the usual layout in fp32
+    # (AVX2 kernels lost ~15% with channels-last); eval.py/predict.py resolve it the same way, so they
+    # reproduce training's validation
+    channels_last: Literal["auto", True, False] = "auto"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    iters: int = _limited(30000, _POSITIVE)
+    batch_size: int = _limited(16, _POSITIVE)  # global batch per optimizer step, over all devices / processes
+    accumulate: int = _limited(1, _POSITIVE)  # micro-batches per optimizer step (gradient accumulation)
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = _limited(0.01, Limit(gt=0))
+    momentum: float = _limited(0.9, _NON_NEGATIVE)
+    weight_decay: float = _limited(1e-4, _NON_NEGATIVE)
+    head_lr_mult: float = _limited(10.0, _NON_NEGATIVE)
+    warmup_iters: int = _limited(0, _NON_NEGATIVE)
+    poly_power: float = _limited(0.9, _NON_NEGATIVE)
+    amp: Precision = "auto"
+    compile: bool = False  # torch.compile the model for training (one process per device; see README)
+    aux_weight: float = _limited(0.4, _NON_NEGATIVE)
+    # weighted sum of LOSS_TERMS, each normalized over the global batch (syncseg/engine/loss.py), on every head
+    loss: LossTerms = (("ce", 1.0),)
+    focal_gamma: float = _limited(2.0, _NON_NEGATIVE)  # focal: (1 - p)^gamma down-weights easy pixels
+    class_weights: tuple[float, ...] = _limited((), _NON_NEGATIVE)  # () = unweighted; weigh ce and focal
+    ohem: bool = False
+    ohem_thresh: float = _limited(0.7, Limit(gt=0, le=1))
+    ohem_min_kept: int = _limited(100000, _NON_NEGATIVE)
+    val_interval: int = _limited(1000, _POSITIVE)
+    ckpt_interval: int = _limited(1000, _POSITIVE)
+    log_interval: int = _limited(20, _POSITIVE)
+    num_vis_images: int = _limited(4, _NON_NEGATIVE)  # fixed val images drawn as image | truth | prediction
+    seed: int = 0
+    # exponential moving average of the weights, updated every step: w_ema = d * w_ema + (1 - d) * w; 0 = off.
+    # When on, validation and best.pt use the averaged weights.
+    ema_decay: float = _limited(0.0, Limit(ge=0, lt=1))
+    # recompute BatchNorm running statistics as population statistics over this many training
+    # micro-batches before each validation and at the end (PreciseBN); 0 = off
+    precise_bn_batches: int = _limited(0, _NON_NEGATIVE)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    mode: Literal["whole", "slide"] = "whole"
+    window_size: PixelSize = _limited((513, 513), _POSITIVE)  # slide: window H,W (one int: square), pixels
+    stride: PixelSize = _limited((341, 341), _POSITIVE)  # slide: window step H,W, <= window_size on each axis
+    scales: tuple[float, ...] = _limited((1.0,), Limit(gt=0))
+    flip: bool = False
+    batch_size: int = _limited(1, _POSITIVE)
+    window_batch: int = _limited(8, _POSITIVE)  # slide: images (windows) per forward pass, flips included
+    amp: Precision = "auto"  # autocast for validation, eval.py and predict.py
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    # seconds a collective (and the process-group rendezvous) waits for the other processes before the
+    # run stops: a hung or vanished peer ends every rank within this bound; a checkpoint save or a
+    # validation pass must fit in it
+    timeout_s: float = _limited(300.0, Limit(gt=0))
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "default"
+    output_dir: str = ""  # "" = runs/<name>
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir or f"runs/{self.name}")
+
+
+SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "eval": EvalConfig,
+                             "dist": DistConfig}
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name -> annotation, with `Annotated` markers kept (syncseg.engine.config.io converts by them)."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def all_keys() -> list[str]:
+    """Every dotted key: top-level names, then `section.name` for each section."""
+    keys = [f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS]
+    for section, cls in SECTIONS.items():
+        keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def choices(key: str) -> tuple[Any, ...]:
+    """The allowed values of a dotted key with a Literal type, e.g. choices("model.backbone")."""
+    section, _, name = key.partition(".")
+    annotation = field_types(SECTIONS[section])[name]
+    if typing.get_origin(annotation) is not Literal:
+        raise KeyError(f"config key {key} has no fixed choices")
+    return typing.get_args(annotation)
+
+
+def _check_fields(section_name: str, section: Any, source: str) -> None:
+    types = field_types(type(section))
+    for item in dataclasses.fields(section):
+        key, value, annotation = f"{section_name}.{item.name}", getattr(section, item.name), types[item.name]
+        prefix = item.metadata.get("prefix")
+        prefixed = prefix is not None and isinstance(value, str) and value.startswith(prefix) and value != prefix
+        if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation) and not prefixed:
+            allowed = ", ".join(map(str, typing.get_args(annotation)))
+            if prefix is not None:
+                allowed += f", or {prefix}<name> ({item.metadata['prefix_meaning']})"
+            raise ValueError(f"{source}: {key}={value!r} is not one of {allowed}")
+        limit = item.metadata.get("limit")
+        values = value if isinstance(value, tuple) else (value,)
+        if limit is not None and any(limit.violated_by(v) for v in values):
+            each = "every value " if isinstance(value, tuple) else ""
+            raise ValueError(f"{source}: {key}={_shown(value)}: {each}must be {limit.describe()}")
+
+
+def validate(config: Config, *, source: str = "config") -> None:
+    """Choice, range and cross-field checks; ValueError naming the key, the value and what is expected."""
+    for section_name in SECTIONS:
+        _check_fields(section_name, getattr(config, section_name), source)
+    data, evaluation = config.data, config.eval
+    low, high = data.scale_range
+    if low > high:
+        raise ValueError(f"{source}: data.scale_range={low},{high} must satisfy low <= high")
+    if not evaluation.scales:
+        raise ValueError(f"{source}: eval.scales is empty; give at least one test scale (e.g. 1.0)")
+    stride, window = height_width(evaluation.stride), height_width(evaluation.window_size)
+    if evaluation.mode == "slide" and any(step > size for step, size in zip(stride, window)):
+        raise ValueError(f"{source}: eval.stride={_shown(stride)} > eval.window_size={_shown(window)} (height,width) "
+                         "would leave pixels between the sliding windows uncovered; use a stride <= the window "
+                         "on both axes")
+    train = config.train
+    if train.accumulate > train.batch_size:
+        raise ValueError(f"{source}: train.accumulate={train.accumulate} > train.batch_size={train.batch_size}: the "
+                         "global batch is split into train.accumulate micro-batches of at least one sample each")
+    if train.accumulate > 1 and train.ohem:
+        raise ValueError(f"{source}: train.ohem with train.accumulate={train.accumulate}: OHEM picks its pixels and "
+                         "its normalizer from each forward pass, so the accumulated gradient would not be the global "
+                         "batch's; use train.accumulate=1 (a smaller train.batch_size) or train.ohem=false")
+    if data.dataset in FIXED_CLASS_DATASETS and data.num_classes:
+        raise ValueError(f"{source}: data.num_classes={data.num_classes} but dataset '{data.dataset}' has a fixed "
+                         "class list; leave data.num_classes at 0 (or use dataset 'folder' for a custom label set)")
+    if data.dataset == "folder" and data.num_classes < 1:
+        raise ValueError(f"{source}: dataset 'folder' needs data.num_classes (1 to 255), the number of classes "
+                         "in its masks")
+    if data.dataset == "synthetic" and data.num_classes and not 2 <= data.num_classes <= SYNTHETIC_MAX_CLASSES:
+        raise ValueError(f"{source}: data.num_classes={data.num_classes}: the synthetic dataset has 2 to "
+                         f"{SYNTHETIC_MAX_CLASSES} classes (0 = its default)")
+    if data.class_names and len(data.class_names) != data.num_classes:
+        raise ValueError(f"{source}: data.class_names has {len(data.class_names)} names but "
+                         f"data.num_classes={data.num_classes}")
+    _check_mask_encodings(data, source)
+    _check_image_format(data, source)
+    _check_loss(train, source)
+
+
+def _colour(rgb: tuple[int, int, int]) -> str:
+    return ",".join(map(str, rgb))
+
+
+def _check_mask_encodings(data: DataConfig, source: str) -> None:
+    if data.dataset == "synthetic":
+        used = [key for key, value in (("data.label_map", data.label_map), ("data.class_colors", data.class_colors),
+                                       ("data.reduce_zero_label", data.reduce_zero_label)) if value]
+        if used:
+            raise ValueError(f"{source}: {used[0]} is set but the synthetic dataset has no mask files to read; use "
+                             "data.dataset=folder (or voc, cityscapes, ade20k)")
+        return
+    if data.reduce_zero_label and data.dataset != "folder":
+        raise ValueError(f"{source}: data.reduce_zero_label is for dataset 'folder' (dataset '{data.dataset}' reads "
+                         "its masks its own way; ade20k already reduces them); use data.label_map to change them")
+    if data.reduce_zero_label and data.num_classes >= data.ignore_index:
+        raise ValueError(f"{source}: data.reduce_zero_label reads raw values 1..{data.num_classes} as classes, which "
+                         f"reaches data.ignore_index={data.ignore_index}; use a smaller data.num_classes or another "
+                         "data.ignore_index")
+    if data.class_colors and (data.label_map or data.reduce_zero_label):
+        other = "data.label_map" if data.label_map else "data.reduce_zero_label"
+        raise ValueError(f"{source}: data.class_colors and {other} are both set: colour-coded masks get their classes "
+                         f"from data.class_colors alone; remove {other}")
+    num_classes = FIXED_NUM_CLASSES.get(data.dataset, data.num_classes)
+    expected = f"a class index 0..{num_classes - 1} (dataset '{data.dataset}' has {num_classes} classes) or {IGNORE}"
+    raws = [raw for raw, _ in data.label_map]
+    for raw, target in data.label_map:
+        if not 0 <= raw <= 255:
+            raise ValueError(f"{source}: data.label_map has the raw value {raw}; masks are 8-bit, values 0..255")
+        if raws.count(raw) > 1:
+            raise ValueError(f"{source}: data.label_map lists the raw value {raw} twice")
+        if target != IGNORE and not 0 <= target < num_classes:
+            raise ValueError(f"{source}: data.label_map maps {raw} to {target}; expected {expected}")
+    colours = [rgb for rgb, _ in data.class_colors]
+    for rgb, target in data.class_colors:
+        if len(rgb) != 3 or not all(0 <= part <= 255 for part in rgb):
+            raise ValueError(f"{source}: data.class_colors has the colour {_colour(rgb)}; expected R,G,B, each 0..255")
+        if colours.count(rgb) > 1:
+            raise ValueError(f"{source}: data.class_colors lists the colour {_colour(rgb)} twice")
+        if target != IGNORE and not 0 <= target < num_classes:
+            raise ValueError(f"{source}: data.class_colors maps {_colour(rgb)} to {target}; expected {expected}")
+
+
+def _check_image_format(data: DataConfig, source: str) -> None:
+    rgb8 = data.in_channels == RGB_CHANNELS and data.max_value <= MAX_8BIT
+    shown = f"data.in_channels={data.in_channels} and data.max_value={data.max_value}"
+    if not rgb8 and data.dataset != "folder":
+        raise ValueError(f"{source}: {shown}: images other than 8-bit RGB are read by dataset 'folder'; dataset "
+                         f"'{data.dataset}' has 8-bit RGB images (data.in_channels=3, data.max_value=255)")
+    if not rgb8 and data.photometric:
+        raise ValueError(f"{source}: data.photometric (colour jitter and blur) works on 8-bit RGB images, not on "
+                         f"these ({shown}); set data.photometric=false")
+    for key, values in (("data.mean", data.mean), ("data.std", data.std)):
+        if len(values) != data.in_channels:
+            default = " (ImageNet's RGB values, the default)" if values in (IMAGENET_MEAN, IMAGENET_STD) else ""
+            raise ValueError(f"{source}: {key} has {len(values)} value(s){default} but data.in_channels="
+                             f"{data.in_channels}; give one value per channel, in units of data.max_value "
+                             "(scripts/verify_dataset.py prints them)")
+
+
+def _check_loss(train: TrainConfig, source: str) -> None:
+    names = [name for name, _ in train.loss]
+    if not names:
+        raise ValueError(f"{source}: train.loss is empty; give at least one of {', '.join(LOSS_TERMS)} "
+                         "(e.g. train.loss=ce:1)")
+    for name, weight in train.loss:
+        if name not in LOSS_TERMS:
+            raise ValueError(f"{source}: train.loss names '{name}', which is not one of {', '.join(LOSS_TERMS)}")
+        if names.count(name) > 1:
+            raise ValueError(f"{source}: train.loss lists '{name}' twice; give each loss once, with its weight")
+        if not weight > 0:
+            raise ValueError(f"{source}: train.loss gives '{name}' the weight {weight:g}; expected a weight > 0 "
+                             "(leave out a loss to turn it off)")
+    if train.ohem and "ce" not in names:
+        raise ValueError(f"{source}: train.ohem selects the hard pixels of the ce loss, but train.loss "
+                         f"({','.join(names)}) has no ce; add ce or set train.ohem=false")
+    if train.class_weights and not {"ce", "focal"} & set(names):
+        raise ValueError(f"{source}: train.class_weights weigh the ce and focal losses, but train.loss "
+                         f"({','.join(names)}) has neither; add one or leave train.class_weights empty")

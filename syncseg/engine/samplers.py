@@ -1,0 +1,137 @@
+"""What each training process loads: resumable training batches and the training DataLoader.
+
+Training order: epoch e is a permutation drawn from (train.seed, e); global batch t is its t-th slice
+of `train.batch_size` samples, and each process loads its own part of that slice, so any number of
+processes together see exactly the global batches of one process. With gradient accumulation
+(`train.accumulate` = A) global batch t is cut into A consecutive micro-batches first, and each process
+loads its part of each micro-batch; the union over the A micro-batches is the same global batch. Every sample carries a seed drawn
+from the same generator (syncseg.engine.seeding.SeededDataset uses it for the augmentation), and DataLoaders
+use their own generators, never the global RNG: a run stopped at iteration K and resumed computes the
+same losses as an uninterrupted run.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from syncseg.engine.seeding import SeededDataset, mix_seed, worker_init
+
+
+def split_batch(global_batch: int, world_size: int) -> list[int]:
+    """Per-process batch sizes, as even as possible: 8 over 3 processes is [3, 3, 2]."""
+    base, extra = divmod(global_batch, world_size)
+    return [base + (1 if rank < extra else 0) for rank in range(world_size)]
+
+
+class ResumableBatchSampler(Sampler):
+    """Batches of (index, sample_seed) for one process, reproducible from (seed, epoch).
+
+    Global batch t is permutation[t*G:(t+1)*G] with G = `global_batch`. It is split into `accumulate`
+    micro-batches (`split_batch(G, accumulate)`, consecutive slices), and process `rank` gets its slice of
+    each (`split_batch` again: sizes differ by at most one); one item per micro-batch is yielded, so an
+    optimizer step takes `accumulate` consecutive items. The incomplete last global batch is dropped.
+    `set_epoch(e, start_batch=k)` skips the first k global batches (resume: k counts optimizer steps).
+    The order depends on neither the number of processes nor the rank, so a run resumed on another
+    world size sees the same global batches.
+    """
+
+    def __init__(self, num_samples: int, *, global_batch: int, seed: int, rank: int = 0, world_size: int = 1,
+                 accumulate: int = 1) -> None:
+        if global_batch < world_size:
+            raise ValueError(f"train.batch_size={global_batch} is smaller than the {world_size} processes; every "
+                             "process needs at least one sample per step")
+        micro_sizes = split_batch(global_batch, accumulate)
+        if min(micro_sizes) < world_size:
+            raise ValueError(f"train.batch_size={global_batch} in train.accumulate={accumulate} micro-batches gives "
+                             f"micro-batches of {min(micro_sizes)} samples, fewer than the {world_size} processes; "
+                             "every process needs at least one sample per micro-batch (lower train.accumulate)")
+        if num_samples < global_batch:
+            raise ValueError(f"the training split has {num_samples} samples, fewer than one global batch "
+                             f"(train.batch_size={global_batch}); lower train.batch_size")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.accumulate = accumulate
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        # (first index within the global batch, size) of this process's part of each micro-batch
+        self.parts = []
+        for index, size in enumerate(micro_sizes):
+            shares = split_batch(size, world_size)
+            self.parts.append((sum(micro_sizes[:index]) + sum(shares[:rank]), shares[rank]))
+        self.batch_size = sum(size for _, size in self.parts)  # this process's share of a global batch
+        self.epoch = 0
+        self.start_batch = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches (optimizer steps) per epoch."""
+        return self.num_samples // self.global_batch
+
+    def set_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
+        if not 0 <= start_batch <= self.batches_per_epoch:
+            raise ValueError(f"start_batch={start_batch} outside 0..{self.batches_per_epoch}")
+        self.epoch = epoch
+        self.start_batch = start_batch
+
+    def __len__(self) -> int:
+        return (self.batches_per_epoch - self.start_batch) * self.accumulate
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        seeds = torch.randint(0, 2**31 - 1, (self.num_samples,), generator=generator).tolist()
+        for batch in range(self.start_batch, self.batches_per_epoch):
+            for offset, size in self.parts:
+                first = batch * self.global_batch + offset
+                yield [(order[j], seeds[j]) for j in range(first, first + size)]
+
+
+def build_train_loader(dataset: Dataset, sampler: ResumableBatchSampler, *, num_workers: int, pin_memory: bool,
+                       seed: int) -> DataLoader:
+    """The training DataLoader: seeded samples in `sampler`'s order, persistent workers."""
+    return DataLoader(
+        SeededDataset(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+        worker_init_fn=worker_init, persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def shutdown_workers(loader: DataLoader) -> None:
+    """Stop `loader`'s persistent worker processes now.
+
+    The workers ignore SIGINT/SIGTERM (a signal to the whole process group must reach only the main
+    process, which finishes the step and saves), so multiprocessing's exit handler, which stops
+    children with SIGTERM and then waits for them, would wait forever: they are told to exit here.
+    torch has no public call for it; its iterator's own shutdown is what a garbage-collected iterator
+    runs.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        loader._iterator = None
+
+
+def train_batches(loader: DataLoader, start_iteration: int) -> Iterator[Any]:
+    """The batches of `loader` (whose batch_sampler is a ResumableBatchSampler) from global step
+    `start_iteration` on, epoch after epoch, forever: one item per micro-batch, `accumulate` per step."""
+    sampler = loader.batch_sampler
+    epoch, start = divmod(start_iteration, sampler.batches_per_epoch)
+    while True:
+        sampler.set_epoch(epoch, start_batch=start)
+        yield from loader
+        epoch, start = epoch + 1, 0
+
+
+def train_steps(loader: DataLoader, start_iteration: int) -> Iterator[list[Any]]:
+    """The optimizer steps of `loader` from global step `start_iteration` on: each a list of the
+    sampler's `accumulate` micro-batches (train_batches grouped)."""
+    batches = train_batches(loader, start_iteration)
+    try:
+        while True:
+            yield [next(batches) for _ in range(loader.batch_sampler.accumulate)]
+    finally:
+        batches.close()

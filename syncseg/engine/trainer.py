@@ -1,0 +1,297 @@
+"""Trainer: runs the training loop on parts built by syncseg.engine.build.build_training.
+
+`Trainer.from_config(config, dist_info).fit()` trains `config.train.iters` optimizer steps. A run stopped at
+iteration K and resumed computes the same losses as an uninterrupted run: the checkpoint holds the
+model, optimizer, scheduler, scaler, iteration and every process's RNG state (`state_dict` /
+`load_state_dict`, written by syncseg.engine.checkpoint.Checkpointer), and the data order is a function of
+(train.seed, epoch).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from syncseg.data.transforms import normalize_batch
+from syncseg.engine.accumulation import gradient_sync, step_normalizer
+from syncseg.engine.build import TrainingParts, build_training
+from syncseg.engine.checkpoint import FORMAT_VERSION, Checkpointer, load_model_weights, non_finite_error
+from syncseg.engine.config import Config, from_dict, save_config, to_dict
+from syncseg.engine.devices import autocast_for
+from syncseg.engine.distributed import DistInfo, all_reduce_sum
+from syncseg.engine.evaluate import evaluate
+from syncseg.engine.optim import load_optimizer_state
+from syncseg.engine.precise_bn import precise_batch_norms
+from syncseg.engine.reporting import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
+from syncseg.engine.samplers import shutdown_workers, train_steps
+from syncseg.engine.seeding import mix_seed, seed_process
+from syncseg.engine.signals import StopRequest
+from syncseg.engine.visualize import prediction_grid
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What `Trainer.fit` returns: per-step losses (iteration -> global mean loss of that step), the
+    last validation metrics, the best mIoU, why the loop ended ("finished", "stopped", "signal") and
+    the seconds spent training (the loop without its validations and checkpoints)."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    last_val: dict[str, Any] | None = None
+    best_miou: float = -1.0
+    iteration: int = 0
+    reason: str = "finished"
+    signal: int | None = None  # the signal that stopped the run (reason "signal")
+    train_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Due:
+    """What the loop does after one step: read the losses back, log, write last.pt, validate, stop."""
+
+    record: bool
+    log: bool
+    checkpoint: bool
+    validate: bool
+    stop: bool  # a stop request every process agreed on
+
+    @classmethod
+    def after(cls, iteration: int, train_cfg: Any, *, stop_at: int, stop_requested: bool) -> "Due":
+        """What is due after step `iteration` of a fit up to `stop_at` (train_cfg: config.train)."""
+        at_end = iteration == train_cfg.iters
+        stop = stop_requested and iteration < stop_at
+        log = iteration % train_cfg.log_interval == 0
+        checkpoint = iteration % train_cfg.ckpt_interval == 0 or at_end or iteration == stop_at or stop
+        validate = (iteration % train_cfg.val_interval == 0 or at_end) and not stop
+        return cls(record=log or checkpoint or validate, log=log, checkpoint=checkpoint, validate=validate, stop=stop)
+
+
+def read_back_losses(pending: list[tuple[int, torch.Tensor]], *, run_dir: Any) -> dict[int, float]:
+    """{iteration: loss summed over processes} of the steps' (iteration, loss share) in `pending` (one
+    all-reduce: every process calls it with as many steps); non_finite_error on the first non-finite one."""
+    if not pending:
+        return {}
+    values = torch.stack([loss for _, loss in pending])
+    values = values.to(torch.promote_types(values.dtype, torch.float32))  # float64 losses stay float64
+    all_reduce_sum(values)
+    losses = {}
+    for (iteration, _), value in zip(pending, values.cpu().tolist()):
+        if not math.isfinite(value):
+            raise non_finite_error(f"loss ({value})", iteration=iteration, run_dir=run_dir)
+        losses[iteration] = value
+    return losses
+
+
+class Trainer:
+    """Trains `parts` (syncseg.engine.build.TrainingParts). Only rank 0 writes files.
+
+    `resume`: a checkpoint payload (syncseg.engine.checkpoint.load_checkpoint with RESUME_KEYS) to continue from
+    (build the parts with init_weights=False then); `run_id` and `overrides` (syncseg.engine.run_plan.RunPlan) are
+    saved in every checkpoint. `fit` may be called again with a later `stop_at`: it continues the same
+    data stream.
+    """
+
+    def __init__(self, parts: TrainingParts, *, resume: Mapping[str, Any] | None = None, run_id: str = "",
+                 overrides: Mapping[str, str] | None = None, progress: bool | None = None) -> None:
+        self.parts, self.config, self.dist, self.device = parts, parts.config, parts.dist, parts.device
+        self.model, self.optimizer = parts.model, parts.optimizer
+        self.run_id = run_id or (resume or {}).get("run_id", "")
+        self.overrides = dict(overrides or {})  # saved with the run: a resume checks its --config against them
+        self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
+        self.run_dir = self.config.run_dir
+        self.checkpointer = Checkpointer(self.run_dir, self.dist)
+        self.iteration, self.best_miou, self.best_metrics = 0, -1.0, None  # best_metrics: best.pt's validation
+        self.validation_due = False  # a stop ended this iteration's validation: a resume runs it first
+        self._steps: Iterator[list[Any]] | None = None  # created at the first fit, from self.iteration
+        self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (iteration, loss) not yet read back
+        self.vis_indices = list(range(min(self.config.train.num_vis_images, len(parts.val_set))))
+        seed_process(self.config.train.seed, self.dist.rank)
+        if resume is not None:
+            self.load_state_dict(resume)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.config, self.run_dir / "config.yaml")
+        self.log = MetricsLog(self.run_dir, enabled=self.dist.is_main,
+                              resume_iteration=self.iteration if resume is not None else None)
+
+    @classmethod
+    def from_config(cls, config: Config, dist_info: DistInfo, *, resume: Mapping[str, Any] | None = None,
+                    **options: Any) -> "Trainer":
+        """build_training(config, dist_info) and a Trainer on its parts (`options`: the constructor's)."""
+        return cls(build_training(config, dist_info, init_weights=resume is None), resume=resume, **options)
+
+    # ------------------------------------------------------------------------------ the loop
+    def fit(self, *, stop_at: int | None = None) -> TrainResult:
+        """Train up to `stop_at` (default train.iters). last.pt is written every train.ckpt_interval, at the
+        stop iteration and on a signal (before any validation of the same iteration, so a failing
+        validation cannot cost the work); best.pt at each better validation."""
+        total = self.config.train.iters
+        stop_at = total if stop_at is None else min(total, stop_at)
+        result = TrainResult(best_miou=self.best_miou, iteration=self.iteration)
+        logger.info("training from iteration %d to %d", self.iteration, stop_at)
+        if self._steps is None:
+            self._steps = train_steps(self.parts.train_loader, self.iteration)
+        self.model.train()
+        throughput, loop_start, periodic_seconds = Throughput(self.iteration), time.perf_counter(), 0.0
+        with StopRequest() as stop, progress_bar(enabled=self.progress, total=stop_at,
+                                                 initial=self.iteration) as bar, self.log.flushed_at_exit():
+            stop.iteration = self.iteration
+            stopped = self.validation_due and not self._validate(stop, result)  # the one a stop ended
+            while self.iteration < stop_at and not stopped:
+                stop.iteration = self.iteration + 1
+                wait_start = time.perf_counter()
+                micro_batches = next(self._steps)
+                throughput.add(images=self.config.train.batch_size, data_seconds=time.perf_counter() - wait_start)
+                self._pending_losses.append((self.iteration + 1, self.train_step(micro_batches)))
+                self.iteration += 1
+                due = Due.after(self.iteration, self.config.train, stop_at=stop_at, stop_requested=stop.agreed())
+                if due.record:  # raises on a non-finite loss, before anything is saved
+                    result.losses.update(read_back_losses(self._pending_losses, run_dir=self.run_dir))
+                    self._pending_losses = []
+                if due.log:
+                    self._log_training(result, throughput, stop_at, bar)
+                if bar is not None:
+                    bar.update(1)
+                periodic_start = time.perf_counter()
+                if due.validate and self.parts.precise_bn_loader is not None:
+                    precise_batch_norms(self.parts)  # before last.pt too: it keeps the statistics validation used
+                if due.checkpoint:
+                    with stop.deferring_interrupts():
+                        self.save(["last.pt"])
+                stopped = due.stop or (due.validate and not self._validate(stop, result))
+                periodic_seconds += time.perf_counter() - periodic_start
+            if stopped:
+                result.reason, result.signal = "signal", stop.received
+                logger.warning("stopped by signal at iteration %d; last.pt saved", self.iteration)
+        result.train_seconds = time.perf_counter() - loop_start - periodic_seconds
+        if result.reason != "signal" and self.iteration < total:
+            result.reason = "stopped"
+        result.iteration, result.best_miou = self.iteration, self.best_miou
+        return result
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step on train.accumulate (integer images, masks) micro-batches (syncseg.engine.accumulation);
+        returns the detached loss share of this process (the sum over processes is the global batch's loss)."""
+        parts, data_cfg = self.parts, self.config.data
+        micro_batches = [(images.to(self.device, non_blocking=True), masks.to(self.device, non_blocking=True))
+                         for images, masks in micro_batches]
+        normalizer = step_normalizer(parts.criterion, [masks for _, masks in micro_batches])
+        self.optimizer.zero_grad(set_to_none=True)
+        shares = []
+        for index, (images, masks) in enumerate(micro_batches):
+            with gradient_sync(parts.train_model, last=index == len(micro_batches) - 1):
+                with autocast_for(self.device, parts.precision):
+                    inputs = normalize_batch(images, data_cfg.mean, data_cfg.std, max_value=data_cfg.max_value)
+                    outputs = parts.forward_model(inputs)
+                loss = parts.criterion(outputs, masks, step_weight=normalizer)
+                # DDP averages gradients over processes; scaling by the world size makes that the sum of the
+                # processes' shares of the global loss.
+                parts.scaler.scale(loss * self.dist.world_size).backward()
+            shares.append(loss.detach())
+        parts.scaler.step(self.optimizer)
+        parts.scaler.update()
+        parts.scheduler.step()
+        if parts.ema is not None:
+            parts.ema.update(self.model)
+        return torch.stack(shares).sum()
+
+    def _log_training(self, result: TrainResult, throughput: Throughput, stop_at: int, bar: Any) -> None:
+        interval = self.config.train.log_interval
+        recent = [result.losses[i] for i in range(self.iteration - interval + 1, self.iteration + 1)
+                  if i in result.losses]
+        factor = self.parts.scheduler.factor(self.iteration - 1)  # the rate the last step used
+        images_per_s, data_wait = throughput.window()
+        record = {
+            "loss": sum(recent) / max(1, len(recent)),
+            "lr": {group["name"]: group["initial_lr"] * factor for group in self.optimizer.param_groups},
+            "images_per_s": images_per_s,
+            "data_wait_fraction": data_wait,
+            "peak_memory_mb": peak_memory_mb(self.device),
+        }
+        self.log.scalars(record, step=self.iteration, prefix="train")
+        if bar is not None:
+            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{next(iter(record['lr'].values()), 0.0):.2e}")
+        elif self.dist.is_main:
+            logger.info(progress_line(record, iteration=self.iteration, stop_at=stop_at,
+                                      eta=throughput.eta_seconds(self.iteration, stop_at)))
+
+    def _validate(self, stop: StopRequest, result: TrainResult) -> bool:
+        """Validate at this iteration and write best.pt when it is better; False when a stop agreed between
+        validation batches ended it (last.pt is then written with the validation still due)."""
+        metrics = self.validate(should_stop=stop.agreed)
+        self.validation_due = metrics is None
+        with stop.deferring_interrupts():
+            if metrics is None:
+                self.save(["last.pt"])
+            elif metrics["miou"] > self.best_miou:
+                self.best_miou, self.best_metrics = float(metrics["miou"]), metrics
+                self.save(["best.pt"])
+        result.last_val = metrics or result.last_val
+        return metrics is not None
+
+    def validate(self, *, should_stop: Any = None) -> dict[str, Any] | None:
+        """evaluate() on the validation shard of this process (the same code path as eval.py), logged; the
+        averaged weights when train.ema_decay > 0. None when `should_stop()` (asked between batches) ended it."""
+        parts, classes, model = self.parts, self.parts.classes, self.parts.eval_model
+        metrics = evaluate(model, parts.val_loader, num_classes=len(classes), device=self.device,
+                           data_cfg=self.config.data, eval_cfg=self.config.eval, classes=classes, progress=False,
+                           should_stop=should_stop)
+        if metrics is not None and self.dist.is_main:
+            self.log.validation(metrics, classes=classes, step=self.iteration)
+            if self.vis_indices:
+                grid = prediction_grid(model, parts.val_set, self.vis_indices, device=self.device,
+                                       data_cfg=self.config.data, eval_cfg=self.config.eval)
+                self.log.image("val/image_truth_prediction", grid, step=self.iteration)
+            logger.info("iteration %d: val mIoU %.4f, pixel acc %.4f (%d images)", self.iteration,
+                        metrics["miou"], metrics["pixel_acc"], metrics["num_images"])
+        return metrics
+
+    # ------------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint payload of this run (without the RNG states, which the Checkpointer adds)."""
+        parts = self.parts
+        return {
+            "format_version": FORMAT_VERSION, "model": self.model.state_dict(), "config": to_dict(self.config),
+            "classes": list(parts.classes), "iteration": self.iteration,
+            "epoch": self.iteration // parts.sampler.batches_per_epoch, "best_miou": self.best_miou,
+            "optimizer": self.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
+            "scaler": parts.scaler.state_dict(), "run_id": self.run_id, "overrides": self.overrides,
+            "validation_due": self.validation_due,
+            **({"ema": parts.ema.state_dict()} if parts.ema is not None else {}),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a last.pt payload: weights, optimizer, schedule, scaler, iteration, best mIoU, RNG.
+        The (possibly overridden) config decides the base LR and weight decay from here on."""
+        parts = self.parts
+        load_model_weights(self.model, state["model"], checkpoint=state.get("path", "resumed"),
+                           saved_model_cfg=from_dict(state["config"]).model, model_cfg=self.config.model)
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        parts.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            parts.scaler.load_state_dict(state["scaler"])
+        if parts.ema is not None:
+            parts.ema.resume(state.get("ema"), self.model)
+        self.iteration, self.best_miou = int(state["iteration"]), float(state["best_miou"])
+        self.validation_due = bool(state.get("validation_due", False))
+        self.checkpointer.restore_rng(state["rng"], reseed=mix_seed(self.config.train.seed, "train", self.dist.rank,
+                                                                    self.iteration))
+
+    def save(self, names: list[str]) -> None:
+        """Write run_dir/<name> for each name (syncseg.engine.checkpoint.Checkpointer.save; every process calls it).
+        best.pt shares the weights validation used (the averaged ones with train.ema_decay)."""
+        state = self.state_dict()
+        self.checkpointer.save(names, state, best_metrics=self.best_metrics, weights=state.get("ema"))
+
+    def close(self) -> None:
+        """Stop the data-loading workers and close the TensorBoard writer (call it however training ended)."""
+        if self._steps is not None:
+            self._steps.close()
+        shutdown_workers(self.parts.train_loader)
+        self.log.close()
