@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shlex
 import signal
 import sys
-from pathlib import Path
+from typing import Any
 
-from syncseg.engine.cli import TIME_FORMAT, describe_error, print_error  # the standard library only
+from syncseg.engine.cli import TIME_FORMAT, describe_error, run_command  # the standard library only
 
 # The engine (torch, torchvision, albumentations) is imported after the arguments are parsed, so that
 # --help and argument errors answer at once.
@@ -52,155 +50,86 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_config(args: argparse.Namespace) -> int:
-    """--print-config: the resolved config on stdout (0), or the error in one line (2)."""
+    """--print-config: the resolved config on stdout (0); errors are raised for run_command (2)."""
     from syncseg.engine.config import config_yaml
     from syncseg.engine.run_plan import resolved_config
 
-    try:
-        config, origin = resolved_config(args.config, args.resume, args.overrides)
-    except (ValueError, FileNotFoundError) as error:
-        print_error("train.py", describe_error(error))
-        return 2
+    config, origin = resolved_config(args.config, args.resume, args.overrides)
     print(config_yaml(config, header=f"train.py config: {origin}; every key, defaults included"), end="")
     return 0
-
-
-def _interpreter() -> str:
-    """The running interpreter, relative to the working directory when inside it (.venv/bin/python)."""
-    relative = os.path.relpath(sys.executable)
-    return relative if not relative.startswith("..") else sys.executable
-
-
-def launcher_command(pid: int) -> list[str] | None:
-    """The torchrun command line of process `pid` (the agent that started this worker), or None when that
-    process is not torchrun or its command line cannot be read."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return None
-    for index, part in enumerate(argv[:3]):
-        if Path(part).name == "torchrun" or (part == "torch.distributed.run" and argv[index - 1:index] == ["-m"]):
-            return argv
-    return None
-
-
-def resume_command(args: argparse.Namespace, dist_info, *, parent: int | None = None) -> str:
-    """The command line that continues this run, in the form it was launched in: under torchrun the
-    agent's own command (its --nnodes, min:max for an elastic launch, and rendezvous options; the run
-    dir's last.pt is resumed by itself there), otherwise train.py's arguments with --resume auto."""
-    launch = dist_info.launch
-    if launch.launcher == "torchrun":
-        agent = launcher_command(os.getppid() if parent is None else parent)
-        if agent is not None:
-            agent[0] = _interpreter() if Path(agent[0]).name.startswith("python") else agent[0]
-            prefix = "srun " if "SLURM_STEP_ID" in os.environ else ""
-            return prefix + " ".join(shlex.quote(part) for part in agent)
-    parts = ["--config", args.config, "--resume", "auto"] if args.config else ["--resume", args.resume or ""]
-    if args.gpus:
-        parts += ["--gpus", args.gpus]
-    tail = " ".join(shlex.quote(part) for part in ["train.py", *parts, *args.overrides])
-    if launch.launcher == "torchrun":
-        nodes = f"--nnodes {launch.num_nodes} " if launch.num_nodes > 1 else ""
-        rendezvous = "<the same rendezvous options> " if launch.num_nodes > 1 else ""
-        return (f"{shlex.quote(_interpreter())} -m torch.distributed.run {nodes}--nproc_per_node "
-                f"{launch.local_world_size} {rendezvous}{tail}")
-    if launch.launcher == "slurm":
-        return f"srun {shlex.quote(_interpreter())} {tail}"
-    return f"{shlex.quote(_interpreter())} {tail}"
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message, whole (its type's name when the message is empty)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def lost_contact_message(error: BaseException, *, rank: int, timeout_s: float, launcher: str) -> str:
-    """The line for a collective that failed because a peer hung, died or became unreachable: the
-    backend's own first line, whole, and what brings the run back under this launcher."""
-    again = {
-        "torchrun": "Under torchrun --max-restarts the job restarts and resumes from last.pt",
-        "slurm": "Requeue the job (scontrol requeue $SLURM_JOB_ID; scripts/slurm/train.sbatch does it by itself) "
-                 "and it resumes from last.pt with --resume auto",
-    }.get(launcher, "Start the same command with --resume auto to continue from last.pt")
-    return (f"rank {rank}: lost contact with the other processes; a peer hung, was killed or became unreachable, "
-            f"and collectives wait at most dist.timeout_s={timeout_s:g} s. {again}. The backend said: {first_line(error)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.print_config:
-        return print_config(args)
-    from syncseg.engine.distributed import cleanup, detect_launch, is_communication_error, setup_distributed
-    from syncseg.engine.run_plan import dist_timeout, plan_run
-    from syncseg.engine.trainer import Trainer
+        return run_command("train.py", lambda: print_config(args))
+    where: dict[str, Any] = {}  # filled in as the run learns its rank: who reports a bad input
+    return run_command("train.py", lambda: train(args, where), reports_usage_errors=lambda: where.get("is_main", True))
 
-    try:
-        launch = detect_launch()
-    except ValueError as error:
-        print_error("train.py", describe_error(error))
-        return 2
+
+def train(args: argparse.Namespace, where: dict[str, Any]) -> int:
+    """The command's work; errors are raised for run_command's contract (`where["is_main"]` set once known)."""
+    from syncseg.engine.distributed import cleanup, detect_launch, setup_distributed
+    from syncseg.engine.launch_hints import resume_command
+    from syncseg.engine.run_plan import ConfigSource, dist_timeout
+    from syncseg.engine.training_run import run_training
+
+    launch = detect_launch()
     logging.basicConfig(
         level=logging.INFO if launch.rank == 0 else logging.WARNING,
         format=f"%(asctime)s %(levelname)s{' [rank %d]' % launch.rank if launch.world_size > 1 else ''} "
                "%(name)s: %(message)s",
         datefmt=TIME_FORMAT,
     )
+    source = ConfigSource(args.config)  # read once, for the timeout and for the plan
+    timeout_s = dist_timeout(source, args.resume, args.overrides)
+    dist_info = setup_distributed(args.gpus, timeout_s=timeout_s, launch=launch)
+    where["is_main"] = dist_info.is_main
     try:
-        timeout_s = dist_timeout(args.config, args.resume, args.overrides)
-        dist_info = setup_distributed(args.gpus, timeout_s=timeout_s, launch=launch)
-    except (ValueError, FileNotFoundError) as error:
-        print_error("train.py", describe_error(error))
-        return 2
-    plan = trainer = result = None
-    code = 0
-    try:
-        plan = plan_run(args.config, args.resume, args.overrides, dist_info=dist_info, overwrite=args.overwrite)
-        trainer = Trainer.from_config(plan.config, dist_info, resume=plan.resume, run_id=plan.run_id,
-                                      overrides=plan.overrides)
-        plan.resume = None  # the payload's tensors are in the model and optimizer now
-        result = trainer.fit(stop_at=args.stop_at)
-    except (ValueError, FileNotFoundError) as error:
-        code, message = 2, describe_error(error)
-    except FloatingPointError as error:
-        code, message = 1, str(error)
-    except KeyboardInterrupt:
-        code, message = 128 + signal.SIGINT, "interrupted a second time; stopped without saving"
-    except OSError as error:  # e.g. a full disk; the message names the file
-        code, message = 1, f"rank {dist_info.rank}: {describe_error(error)}"
-    except RuntimeError as error:
-        if "DataLoader worker" in str(error):  # e.g. killed by the kernel's out-of-memory killer
-            code, message = 1, (f"rank {dist_info.rank}: {first_line(error)}; if the system ran "
-                                "out of memory, lower data.num_workers or train.batch_size")
-        elif not is_communication_error(error):
-            raise
-        else:
-            code, message = 1, lost_contact_message(error, rank=dist_info.rank, timeout_s=timeout_s,
-                                                    launcher=dist_info.launch.launcher)
-    finally:
-        if trainer is not None:
-            trainer.close()  # stops the data-loading workers, which ignore SIGINT/SIGTERM
-        trainer = None  # the DDP wrapper must be gone before the process group (see cleanup)
-        if plan is not None:
-            plan.release()
-    if result is not None and result.reason == "signal":
+        run = run_training(source, args.overrides, dist_info=dist_info, resume=args.resume, overwrite=args.overwrite,
+                           stop_at=args.stop_at)
+    except BaseException as error:
+        cleanup(synchronize=False)
+        raise _in_contract_terms(error, rank=dist_info.rank, timeout_s=timeout_s, launcher=launch.launcher) from error
+    result = run.result
+    if result.reason == "signal":
         # stopped and saved: a later SIGTERM must not cut the exit short (srun --kill-on-bad-exit sends one to
         # the other tasks as soon as the first has exited, and would turn their exit 143 into "Terminated")
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if code:
-        if dist_info.is_main or code == 1:
-            print_error("train.py", message)
-        cleanup(synchronize=False)
-        return code
     if dist_info.is_main:
-        last = plan.config.run_dir / "last.pt"
         if result.reason == "signal":
             print(f"train.py: stopped by {signal.Signals(result.signal).name} at iteration {result.iteration}; "
-                  f"saved {last}; continue with: {resume_command(args, dist_info)}", file=sys.stderr)
+                  f"saved {run.run_dir / 'last.pt'}; continue with: {resume_command(args, dist_info)}",
+                  file=sys.stderr)
         best = f"best val mIoU {result.best_miou:.4f}" if result.best_miou >= 0 else "no validation yet"
         logger.info("%s at iteration %d (%s); checkpoints in %s", "stopped" if result.reason != "finished" else "done",
-                    result.iteration, best, plan.config.run_dir)
+                    result.iteration, best, run.run_dir)
     cleanup(synchronize=result.reason != "signal")
     return 128 + result.signal if result.reason == "signal" else 0
+
+
+def _in_contract_terms(error: BaseException, *, rank: int, timeout_s: float, launcher: str) -> BaseException:
+    """A training failure as run_command reports it: bad input stays as it is (exit 2, rank 0 says it); a
+    non-finite loss, a write that failed, a lost worker or peer become one CommandFailed line (exit 1, every
+    rank says its own); a second Ctrl-C while saving says nothing was saved; anything else keeps its traceback."""
+    from syncseg.engine.cli import CommandFailed
+    from syncseg.engine.distributed import is_communication_error
+    from syncseg.engine.launch_hints import first_line, lost_contact_message
+
+    if isinstance(error, (ValueError, FileNotFoundError)):
+        return error
+    if isinstance(error, FloatingPointError):
+        return CommandFailed(str(error))
+    if isinstance(error, KeyboardInterrupt):
+        return KeyboardInterrupt("a second time; stopped without saving")
+    if isinstance(error, OSError):  # e.g. a full disk; the message names the file
+        return CommandFailed(f"rank {rank}: {describe_error(error)}")
+    if isinstance(error, RuntimeError) and "DataLoader worker" in str(error):  # e.g. the out-of-memory killer
+        return CommandFailed(f"rank {rank}: {first_line(error)}; if the system ran out of memory, lower "
+                             "data.num_workers or train.batch_size")
+    if isinstance(error, RuntimeError) and is_communication_error(error):
+        return CommandFailed(lost_contact_message(error, rank=rank, timeout_s=timeout_s, launcher=launcher))
+    return error
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from typing import Any
 
 from syncseg.engine.atomic import TEMPORARY_SUFFIX  # standard library only, like this module
 
-EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
@@ -138,19 +137,27 @@ def writing(what: str, path: Any) -> Iterator[None]:
         raise OSError(error.errno, f"{start}: {detail}") from error
 
 
-def run_command(prog: str, body: Callable[[], int]) -> int:
+def run_command(prog: str, body: Callable[[], int], *,
+                reports_usage_errors: Callable[[], bool] = lambda: True) -> int:
     """Run a CLI's `body` (returning its exit status) under the contract of this module's docstring:
     ValueError / FileNotFoundError -> one error line, 2; other OSError -> one line naming the file and
-    the reason, 1; CommandFailed -> its line, 1; KeyboardInterrupt -> "<prog>: interrupted", 130.
-    Other exceptions propagate with their traceback. Returns the exit status for sys.exit."""
+    the reason, 1; CommandFailed -> its line, 1; KeyboardInterrupt -> "<prog>: interrupted" (and its
+    message, if it has one), 130. Other exceptions propagate with their traceback. Returns the exit status
+    for sys.exit.
+
+    `reports_usage_errors()` False keeps a status-2 error silent: the processes of a distributed run
+    other than rank 0 meet the same bad input, and one line is enough.
+    """
     try:
         return body()
     except (ValueError, FileNotFoundError) as error:  # FileNotFoundError before OSError: it is one
-        print_error(prog, describe_error(error))
+        if reports_usage_errors():
+            print_error(prog, describe_error(error))
         return EXIT_USAGE
     except (OSError, CommandFailed) as error:
         print_error(prog, describe_error(error))
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(f"{timestamp()} {prog}: interrupted", file=sys.stderr, flush=True)
+    except KeyboardInterrupt as interrupt:
+        detail = f" {interrupt}" if str(interrupt) else ""
+        print(f"{timestamp()} {prog}: interrupted{detail}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

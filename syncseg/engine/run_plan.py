@@ -116,8 +116,40 @@ def remove_orphaned_temporaries(run_dir: Path) -> list[Path]:
     return removed
 
 
-def _require_config(config_name: str | None, resume: str | None) -> None:
-    if config_name is None and resume in (None, "auto"):
+class ConfigSource:
+    """Where a run's config comes from: a --config file (a shipped config's name or a path) or a Config
+    built in Python (syncseg.train); None when a resume takes the checkpoint's. `load(overrides)` reads and
+    validates it once per list of overrides, however many steps of the plan ask."""
+
+    def __init__(self, given: str | Path | Config | None) -> None:
+        self.given = given
+        self._loaded: dict[tuple[str, ...], Config] = {}
+
+    def __bool__(self) -> bool:
+        return self.given is not None
+
+    def __str__(self) -> str:
+        return "the given config" if isinstance(self.given, Config) else f"--config {self.given}"
+
+    def load(self, overrides: list[str] | tuple[str, ...]) -> Config:
+        key = tuple(overrides)
+        if key not in self._loaded:
+            if isinstance(self.given, Config):
+                self._loaded[key] = build_config(parse_overrides(overrides), source="command line", base=self.given)
+            else:
+                self._loaded[key] = load_config(self.given, overrides)
+        return self._loaded[key]
+
+
+ConfigGiven = ConfigSource | Config | str | Path | None
+
+
+def _as_source(given: ConfigGiven) -> ConfigSource:
+    return given if isinstance(given, ConfigSource) else ConfigSource(given)
+
+
+def _require_config(source: ConfigSource, resume: str | None) -> None:
+    if not source and resume in (None, "auto"):
         raise ValueError("--config is required (or --resume PATH to continue a run from its checkpoint)")
 
 
@@ -126,13 +158,13 @@ def _on_checkpoint(overrides: dict[str, str], saved_config: dict[str, Any], path
     return build_config(overrides, source="command line", base=from_dict(saved_config, source=str(path)))
 
 
-def _decide(config_name: str | None, resume: str | None, overrides: list[str], *, overwrite: bool,
+def _decide(source: ConfigSource, resume: str | None, overrides: list[str], *, overwrite: bool,
             elastic: bool) -> tuple[Config, dict[str, str], Path | None, dict[str, Any] | None, RunDirLock]:
     """Rank 0: (config, the run's command-line overrides so far, checkpoint path or None, its payload,
     the held lock)."""
-    _require_config(config_name, resume)
+    _require_config(source, resume)
     current = parse_overrides(overrides)
-    file_config = load_config(config_name, overrides) if config_name else None
+    file_config = source.load(overrides) if source else None
     path = Path(resume) if resume not in (None, "auto") else None
     payload = None
     if path is not None:
@@ -162,10 +194,10 @@ def _decide(config_name: str | None, resume: str | None, overrides: list[str], *
         run_overrides = {**dict(payload.get("overrides") or {}), **current}
         if file_config is not None and "overrides" in payload:
             # the file with every override this run was given must still give the saved config
-            from_file = load_config(config_name, [f"{key}={value}" for key, value in run_overrides.items()])
+            from_file = source.load([f"{key}={value}" for key, value in run_overrides.items()])
             if from_file != config:
                 raise ValueError(
-                    f"--config {config_name} has changed since '{path}' was saved: "
+                    f"{source} has changed since '{path}' was saved: "
                     f"{'; '.join(_config_differences(from_file, config))}; to change a setting of a resumed run "
                     "give it as KEY=VALUE on the command line (or resume with --resume PATH alone)")
         remove_orphaned_temporaries(run_dir)
@@ -185,19 +217,20 @@ def _best_so_far(run_dir: Path, payload: dict[str, Any]) -> float:
     return value
 
 
-def resolved_config(config_name: str | None, resume: str | None, overrides: list[str]) -> tuple[Config, str]:
+def resolved_config(given: ConfigGiven, resume: str | None, overrides: list[str]) -> tuple[Config, str]:
     """(the config a train.py command line would run, where it comes from), without locking or
     loading tensors: `--resume PATH` or `--resume auto` with an existing last.pt give that
     checkpoint's config with the overrides on top, as a resume does; else the --config file with its
     base chain and the overrides, every other key at its default. Raises ValueError /
     FileNotFoundError as train.py would."""
-    _require_config(config_name, resume)
+    source = _as_source(given)
+    _require_config(source, resume)
     path = Path(resume) if resume not in (None, "auto") else None
     if path is None:
-        config = load_config(config_name, overrides)
+        config = source.load(overrides)
         last = config.run_dir / "last.pt"
         if resume != "auto" or not last.is_file():
-            return config, f"--config {config_name}" + (f" with {' '.join(overrides)}" if overrides else "")
+            return config, f"{source}" + (f" with {' '.join(overrides)}" if overrides else "")
         path = last
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint '{path}' not found (expected a .pt file written by train.py)")
@@ -209,12 +242,13 @@ def resolved_config(config_name: str | None, resume: str | None, overrides: list
         f" with {' '.join(overrides)}" if overrides else "")
 
 
-def dist_timeout(config_name: str | None, resume: str | None, overrides: list[str]) -> float:
+def dist_timeout(given: ConfigGiven, resume: str | None, overrides: list[str]) -> float:
     """dist.timeout_s of the run about to start, read before the process group exists (errors in the
-    files are reported later, by plan_run, on rank 0)."""
+    files are reported later, by plan_run, on rank 0). Pass plan_run the same ConfigSource: it is read once."""
+    source = _as_source(given)
     try:
-        if config_name:
-            return load_config(config_name, overrides).dist.timeout_s
+        if source:
+            return source.load(overrides).dist.timeout_s
         saved = peek_checkpoint(resume) if resume not in (None, "auto") else None
         if saved and "config" in saved:
             return _on_checkpoint(parse_overrides(overrides), saved["config"], resume).dist.timeout_s
@@ -223,7 +257,7 @@ def dist_timeout(config_name: str | None, resume: str | None, overrides: list[st
     return DistConfig().timeout_s
 
 
-def plan_run(config_name: str | None, resume: str | None, overrides: list[str], *, dist_info: DistInfo,
+def plan_run(given: ConfigGiven, resume: str | None, overrides: list[str], *, dist_info: DistInfo,
              overwrite: bool = False) -> RunPlan:
     """Decide (rank 0) and agree (every rank) on the config and the checkpoint to resume.
 
@@ -235,8 +269,8 @@ def plan_run(config_name: str | None, resume: str | None, overrides: list[str], 
     lock = None
     if dist_info.is_main:
         try:
-            config, run_overrides, path, payload, lock = _decide(config_name, resume, overrides, overwrite=overwrite,
-                                                                 elastic=dist_info.launch.elastic)
+            config, run_overrides, path, payload, lock = _decide(_as_source(given), resume, overrides,
+                                                                 overwrite=overwrite, elastic=dist_info.launch.elastic)
             decision = {"config": to_dict(config), "overrides": run_overrides, "path": str(path) if path else None}
             if payload is not None:
                 payload["best_miou"] = _best_so_far(config.run_dir, payload)

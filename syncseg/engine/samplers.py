@@ -8,15 +8,23 @@ loads its part of each micro-batch; the union over the A micro-batches is the sa
 from the same generator (syncseg.engine.seeding.SeededDataset uses it for the augmentation), and DataLoaders
 use their own generators, never the global RNG: a run stopped at iteration K and resumed computes the
 same losses as an uninterrupted run.
+
+A training split smaller than one global batch (a few images of one's own) is repeated: an epoch is then
+R = ceil(batch_size / N) permutations of the N samples back to back, each drawn anew, so every step still
+sees whole batches and a split of N >= batch_size samples is ordered exactly as without the rule.
 """
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from syncseg.engine.seeding import SeededDataset, mix_seed, worker_init
+
+logger = logging.getLogger(__name__)
 
 
 def split_batch(global_batch: int, world_size: int) -> list[int]:
@@ -31,7 +39,8 @@ class ResumableBatchSampler(Sampler):
     Global batch t is permutation[t*G:(t+1)*G] with G = `global_batch`. It is split into `accumulate`
     micro-batches (`split_batch(G, accumulate)`, consecutive slices), and process `rank` gets its slice of
     each (`split_batch` again: sizes differ by at most one); one item per micro-batch is yielded, so an
-    optimizer step takes `accumulate` consecutive items. The incomplete last global batch is dropped.
+    optimizer step takes `accumulate` consecutive items. The incomplete last global batch is dropped. A
+    split of fewer than G samples is repeated within the epoch (`repeats` permutations back to back).
     `set_epoch(e, start_batch=k)` skips the first k global batches (resume: k counts optimizer steps).
     The order depends on neither the number of processes nor the rank, so a run resumed on another
     world size sees the same global batches.
@@ -47,9 +56,14 @@ class ResumableBatchSampler(Sampler):
             raise ValueError(f"train.batch_size={global_batch} in train.accumulate={accumulate} micro-batches gives "
                              f"micro-batches of {min(micro_sizes)} samples, fewer than the {world_size} processes; "
                              "every process needs at least one sample per micro-batch (lower train.accumulate)")
-        if num_samples < global_batch:
-            raise ValueError(f"the training split has {num_samples} samples, fewer than one global batch "
-                             f"(train.batch_size={global_batch}); lower train.batch_size")
+        if num_samples < 1:
+            raise ValueError("the training split has no samples")
+        # a split smaller than one global batch is repeated (few-shot folders); otherwise one permutation
+        self.repeats = math.ceil(global_batch / num_samples) if num_samples < global_batch else 1
+        if self.repeats > 1 and rank == 0:
+            logger.info("the training split has %d sample(s), fewer than one global batch (train.batch_size=%d): "
+                        "each epoch repeats it %d times, each time in a new order", num_samples, global_batch,
+                        self.repeats)
         self.num_samples = num_samples
         self.global_batch = global_batch
         self.accumulate = accumulate
@@ -68,7 +82,7 @@ class ResumableBatchSampler(Sampler):
     @property
     def batches_per_epoch(self) -> int:
         """Global batches (optimizer steps) per epoch."""
-        return self.num_samples // self.global_batch
+        return self.num_samples * self.repeats // self.global_batch
 
     def set_epoch(self, epoch: int, *, start_batch: int = 0) -> None:
         if not 0 <= start_batch <= self.batches_per_epoch:
@@ -81,8 +95,9 @@ class ResumableBatchSampler(Sampler):
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
-        order = torch.randperm(self.num_samples, generator=generator).tolist()
-        seeds = torch.randint(0, 2**31 - 1, (self.num_samples,), generator=generator).tolist()
+        order = [index for _ in range(self.repeats)
+                 for index in torch.randperm(self.num_samples, generator=generator).tolist()]
+        seeds = torch.randint(0, 2**31 - 1, (len(order),), generator=generator).tolist()
         for batch in range(self.start_batch, self.batches_per_epoch):
             for offset, size in self.parts:
                 first = batch * self.global_batch + offset

@@ -69,7 +69,7 @@ def test_training_evaluation_and_saved_predictions_ignore_the_configured_label(t
     assert result.last_val["num_pixels"] == sum(int((mask != IGNORE).sum()) for mask in masks.values())
 
     # eval.py: its metrics and the predictions it saves agree on the same pixels
-    evaluation = importlib.import_module("eval")
+    evaluation = importlib.import_module("syncseg.commands.eval")
     output = tmp_path / "eval.json"
     assert evaluation.main(["--checkpoint", str(run_dir / "last.pt"), "--device", "cpu", "--no-progress",
                             "--output", str(output), "--save-predictions", str(tmp_path / "pred")]) == 0

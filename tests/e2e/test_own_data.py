@@ -96,7 +96,7 @@ def test_binary_masks_warn_without_a_label_map_and_learn_the_foreground_with_it(
 
 def _train(*args: str, capsys) -> tuple[int, list[str], str]:
     """train.py's exit status, its error lines and all it wrote to stderr (the log lines too)."""
-    code = importlib.import_module("train").main(["--config", "demo.yaml", *TINY_BASE, *args])
+    code = importlib.import_module("syncseg.commands.train").main(["--config", "demo.yaml", *TINY_BASE, *args])
     stderr = capsys.readouterr().err
     return code, [line for line in stderr.splitlines() if " error: " in line], stderr
 

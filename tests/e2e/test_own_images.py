@@ -66,13 +66,13 @@ def test_12_bit_values_reach_the_model_with_their_full_range(tmp_path):
 def _run_commands(tmp_path, data_keys: list[str], image_path, export_format: str, capsys) -> dict:
     """train.py, eval.py, predict.py and export.py on the folder dataset; returns eval.py's metrics."""
     run = tmp_path / "run"
-    train = importlib.import_module("train")
+    train = importlib.import_module("syncseg.commands.train")
     assert train.main(["--config", "demo.yaml", *data_keys, f"output_dir={run}", "train.iters=3",
                        "train.val_interval=3", "train.ckpt_interval=3", "train.num_vis_images=2"]) == 0
     best = load_checkpoint(run / "best.pt")
     saved, expected = best["config"]["data"], load_config("demo.yaml", data_keys).data
     assert (saved["in_channels"], saved["max_value"]) == (expected.in_channels, expected.max_value)  # eval, predict
-    evaluate = importlib.import_module("eval")
+    evaluate = importlib.import_module("syncseg.commands.eval")
     assert evaluate.main(["--checkpoint", str(run / "best.pt"), "--device", "cpu", "--no-progress", "--output",
                           str(tmp_path / "metrics.json")]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())

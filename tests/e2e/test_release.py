@@ -94,7 +94,7 @@ def test_both_checkpoints_load_in_eval_predict_export_and_init_checkpoint(demo_r
 @pytest.mark.slow
 def test_resuming_from_best_pt_points_at_last_pt(demo_run, capsys):
     run_dir, _ = demo_run
-    train = importlib.import_module("train")
+    train = importlib.import_module("syncseg.commands.train")
     assert train.main(["--resume", str(run_dir / "best.pt"), "train.iters=3"]) == 2
     error = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(error) == 1 and "weights only" in error[0] and "last.pt" in error[0]

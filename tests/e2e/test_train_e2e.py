@@ -186,7 +186,7 @@ def test_non_finite_loss_stops_with_iteration_and_keeps_last_checkpoint(tmp_path
     (["--config", "no_such_config.yaml"], "no_such_config.yaml"),
 ])
 def test_bad_command_lines_exit_nonzero_with_one_line_reason(args, fragment, tmp_path, capsys):
-    train = importlib.import_module("train")
+    train = importlib.import_module("syncseg.commands.train")
     code = train.main([*args, f"output_dir={tmp_path / 'run'}"])
     stderr = capsys.readouterr().err
     assert code == 2, stderr[-2000:]
@@ -250,7 +250,7 @@ def test_fine_tuning_from_torchvision_deeplabv3_weights_loads_all_but_the_classi
     trainer.close()
     assert sorted(result.losses) == [1, 2] and all(math.isfinite(v) for v in result.losses.values())
 
-    train = importlib.import_module("train")
+    train = importlib.import_module("syncseg.commands.train")
     code = train.main(["--config", "demo.yaml", f"output_dir={tmp_path / 'wrong'}", *TINY,
                        f"model.init_checkpoint={path}", "model.arch=deeplabv3"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]

@@ -25,7 +25,7 @@ TINY = [
 
 
 def _train(*args: str, capsys) -> tuple[int, list[str]]:
-    code = importlib.import_module("train").main(["--config", "demo.yaml", *TINY, *args])
+    code = importlib.import_module("syncseg.commands.train").main(["--config", "demo.yaml", *TINY, *args])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     return code, errors
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
@@ -217,33 +218,77 @@ def _current_name(key: str, source: str) -> str:
     return key
 
 
-def build_config(values: Mapping[str, Any], *, source: str = "config", base: Config | None = None) -> Config:
-    """Apply flat dotted `values` on top of `base` (defaults when None), converting and validating."""
+def build_config(values: Mapping[str, Any], *, source: str = "config", base: Config | None = None,
+                 origins: Mapping[str, str] | None = None) -> Config:
+    """Apply flat dotted `values` on top of `base` (defaults when None), converting each value, then
+    validating the result once.
+
+    `origins` (key -> the file or "command line" that set it; `source` for keys it does not list) names the
+    origin in errors: a value that does not convert names its own key's origin, a rule over several keys the
+    origins of the keys its message names before any hint (`source` when it names none of `values`).
+    """
+    origins = dict(origins or {})
     current = to_dict(base or Config())
+    set_keys = {}
     for key, value in values.items():
-        key = _current_name(key, source)
+        origin = origins.get(key, source)
+        key = _current_name(key, origin)
+        set_keys[key] = origin
         section, _, name = key.partition(".")
         if name:
             if section not in SECTIONS or name not in field_types(SECTIONS[section]):
-                raise _unknown_key_error(key, source)
-            current[section][name] = _convert(value, field_types(SECTIONS[section])[name], key, source)
+                raise _unknown_key_error(key, origin)
+            current[section][name] = _convert(value, field_types(SECTIONS[section])[name], key, origin)
         else:
             types = field_types(Config)
             if key not in types or key in SECTIONS:
-                raise _unknown_key_error(key, source)
-            current[key] = _convert(value, types[key], key, source)
+                raise _unknown_key_error(key, origin)
+            current[key] = _convert(value, types[key], key, origin)
     config = from_dict(current, source=source)
-    validate(config, source=source)
+    _validate_naming_origins(config, set_keys, fallback=source)
     return config
 
 
+_UNNAMED = "\0"  # validate()'s source while the origin is not known yet
+_MENTIONED_KEY = re.compile(r"\b(?:" + "|".join(SECTIONS) + r")\.[a-z_]+\b|\b[a-z_]+(?==)")
+
+
+def _validate_naming_origins(config: Config, origins: Mapping[str, str], *, fallback: str) -> None:
+    """validate(config), its error prefixed with where the keys it names were set (see build_config)."""
+    try:
+        validate(config, source=_UNNAMED)
+    except ValueError as error:
+        message = str(error)
+        if not message.startswith(_UNNAMED + ": "):
+            raise
+        body = message[len(_UNNAMED) + 2:]
+        problem = body.split(";")[0]  # what is wrong; a hint after ';' may name keys that are not at fault
+        named = [origins[key] for key in _MENTIONED_KEY.findall(problem) if key in origins]
+        where = " and ".join(dict.fromkeys(named)) or fallback
+        raise ValueError(f"{where}: {body}") from None
+
+
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """YAML file (with `base:` chain) then `KEY=VALUE` overrides -> validated Config."""
-    config = Config()
+    """YAML file (with `base:` chain) then `KEY=VALUE` overrides -> one validated Config.
+
+    The file and the overrides are merged first and validated together, so a rule over several keys sees
+    the command line's values (a shared base file completed per run); errors name the file or the command
+    line that set the keys involved.
+    """
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    sources = []
     if name_or_path is not None:
         path = resolve_config_path(name_or_path)
-        config = build_config(flatten(read_yaml(path), str(path)), source=str(path))
-    return build_config(parse_overrides(overrides), source="command line", base=config)
+        for key, value in flatten(read_yaml(path), str(path)).items():
+            values[key], origins[key] = value, str(path)
+        sources.append(str(path))
+    for key, value in parse_overrides(overrides).items():
+        values.pop(key, None)  # the command line's value wins, and is checked as the command line's
+        values[key], origins[key] = value, "command line"
+    if overrides:
+        sources.append("command line")
+    return build_config(values, source=" with the ".join(sources) or "config", origins=origins)
 
 
 def to_dict(config: Config) -> dict[str, Any]:

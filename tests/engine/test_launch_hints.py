@@ -1,4 +1,4 @@
-"""train.py's hints: the command that continues a stopped run (the launch's own form) and the lost-peer line."""
+"""syncseg/engine/launch_hints.py: the command that continues a stopped run (the launch's own form) and the lost-peer line."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from syncseg.commands import train
+from syncseg.engine import launch_hints
 from syncseg.engine.distributed import DistInfo, Launch
 
 
@@ -37,7 +37,7 @@ def agent(tmp_path):
 
 def test_the_torchrun_hint_is_the_agents_own_command_with_its_elastic_nnodes(agent):
     info = DistInfo(launch=Launch(launcher="torchrun", world_size=4, num_nodes=2, local_world_size=2, elastic=True))
-    hint = train.resume_command(_args(), info, parent=agent)
+    hint = launch_hints.resume_command(_args(), info, parent=agent)
     assert "--nnodes 1:3" in hint and "--rdzv-endpoint node01:29500" in hint and "'seg 42'" in hint
     assert hint.endswith("train.py --config voc.yaml output_dir=/shared/runs/voc")
     assert "--nnodes 2" not in hint
@@ -47,7 +47,7 @@ def test_without_a_readable_agent_the_torchrun_hint_is_built_from_the_launch(tmp
     info = DistInfo(launch=Launch(launcher="torchrun", world_size=4, num_nodes=2, local_world_size=2))
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        hint = train.resume_command(_args(), info, parent=other.pid)
+        hint = launch_hints.resume_command(_args(), info, parent=other.pid)
     finally:
         other.kill()
         other.wait()
@@ -56,7 +56,7 @@ def test_without_a_readable_agent_the_torchrun_hint_is_built_from_the_launch(tmp
 
 def test_srun_tasks_get_an_srun_hint():
     info = DistInfo(launch=Launch(launcher="slurm", world_size=2))
-    hint = train.resume_command(_args(), info)
+    hint = launch_hints.resume_command(_args(), info)
     assert hint.startswith("srun ") and "torch.distributed.run" not in hint and "--resume auto" in hint
 
 
@@ -64,7 +64,7 @@ def test_the_lost_peer_line_quotes_the_backends_message_whole_and_fits_the_launc
     backend = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
                "[10.213.7.2]:47713 while waiting for the remote side of an all-reduce of 4 tensors to answer")
     error = RuntimeError(backend + "\nException raised from recvBytes at ...")
-    line = train.lost_contact_message(error, rank=1, timeout_s=20, launcher="slurm")
+    line = launch_hints.lost_contact_message(error, rank=1, timeout_s=20, launcher="slurm")
     assert backend in line and "recvBytes" not in line and "\n" not in line
     assert "scontrol requeue" in line and "torchrun" not in line and "dist.timeout_s=20" in line
-    assert "--max-restarts" in train.lost_contact_message(error, rank=0, timeout_s=20, launcher="torchrun")
+    assert "--max-restarts" in launch_hints.lost_contact_message(error, rank=0, timeout_s=20, launcher="torchrun")
