@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for a borrowed GPU machine whose image ships its own torch (README "GPU check"): every CUDA
+# GPU checks for a borrowed GPU machine whose image ships its own torch (docs/maintainers.md "GPU check"): every CUDA
 # test, a short GPU training run (two processes with 2 GPUs) and the CUDA benchmarks, bounded in time
 # (7.5 minutes in all) and in the files it leaves (the 8 named in the usage).
 # Written for the image as it is: the runtime requirements it lacks (albumentations and its closure) are

@@ -5,7 +5,7 @@ Only rank 0 writes (`enabled`). metrics.jsonl holds one JSON object per logged s
 run dir itself, so `tensorboard --logdir runs/` lists each run by its folder name. Values that do not
 change during a run (NOT_PLOTTED) stay in metrics.jsonl only: a card with a flat line says nothing.
 Each validation also writes a `val/summary` text card, the exact numbers (TensorBoard's scalar
-charts smooth by default; README: open them with ?smoothing=0).
+charts smooth by default; docs/training.md: open them with ?smoothing=0).
 
 A failed write (a full disk) is an OSError naming the file: metrics.jsonl's, or the event files' folder
 (TensorBoard writes from a thread of its own and hands its error to the next call here; its thread's

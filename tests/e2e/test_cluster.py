@@ -35,7 +35,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("SLURM_", "TORCHELASTIC_")) and key not in
            ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    # torchrun restarts are flaky on torch 2.14 with the rendezvous store shared (README: Running on a cluster)
+    # torchrun restarts are flaky on torch 2.14 with the rendezvous store shared (docs/clusters.md: Several machines)
     return {**env, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **extra}
 
 
@@ -291,7 +291,7 @@ def _succeed_all(processes: list[subprocess.Popen], timeout: float = 300) -> lis
 
 @pytest.mark.slow
 def test_two_hosts_in_network_namespaces_equal_two_processes_on_one_host(tmp_path, straight):
-    """The README's multi-node command as written (same on both nodes, the endpoint by hostname, no
+    """docs/clusters.md's multi-node command as written (same on both nodes, the endpoint by hostname, no
     --local-addr, no GLOO_SOCKET_IFNAME): it works where hostnames resolve to the nodes' own addresses."""
     run_dir = tmp_path / "run"
     with _two_hosts() as (hosts, on_node):

@@ -2,7 +2,7 @@
 
 Each is marked in syncseg.engine.config.schema (ValueToClass, ColourToClass, WeightedTerms); this module reads
 them from YAML, from `KEY=VALUE` text and from checkpoints' plain dicts, and writes them back in the
-form the README shows. Types only: ranges, names and cross-field rules are syncseg.engine.config.schema.validate's.
+form the docs show. Types only: ranges, names and cross-field rules are syncseg.engine.config.schema.validate's.
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ MAPPING_PARSERS = {ValueToClass: _label_map, ColourToClass: _class_colors, Weigh
 
 
 def plain(value: Any, annotation: Any) -> Any:
-    """A field's value as YAML writes it: the mapping fields as mappings (in the form the README shows),
+    """A field's value as YAML writes it: the mapping fields as mappings (in the form the docs show),
     tuples as lists."""
     kind = type(marker(annotation))
     if kind is ValueToClass:

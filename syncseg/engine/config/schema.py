@@ -114,7 +114,7 @@ class DataConfig:
     num_classes: int = _limited(0, _LABEL)  # folder (required) / synthetic (2..8): class count; 0 = default
     class_names: tuple[str, ...] = ()  # folder: optional names, len == num_classes
     skip_bad_samples: bool = False  # warn and skip unreadable / inconsistent samples instead of raising
-    # mask encodings (README "Your own data"); every file-backed dataset reads its masks through one table
+    # mask encodings (docs/own-data.md); every file-backed dataset reads its masks through one table
     label_map: LabelMap = ()  # raw mask value -> class index or ignore, over the dataset's own reading
     reduce_zero_label: bool = False  # folder: raw 0 is ignored and raw k is class k-1 (ADE-style masks)
     class_colors: ClassColors = ()  # colour-coded masks: RGB colour -> class index or ignore
@@ -171,7 +171,7 @@ class TrainConfig:
     warmup_iters: int = _limited(0, _NON_NEGATIVE)
     poly_power: float = _limited(0.9, _NON_NEGATIVE)
     amp: Precision = "auto"
-    compile: bool = False  # torch.compile the model for training (one process per device; see README)
+    compile: bool = False  # torch.compile the model for training (one process per device; docs/training.md)
     aux_weight: float = _limited(0.4, _NON_NEGATIVE)
     # weighted sum of LOSS_TERMS, each normalized over the global batch (syncseg/engine/loss.py), on every head
     loss: LossTerms = (("ce", 1.0),)
