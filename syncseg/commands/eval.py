@@ -144,7 +144,8 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     from syncseg.engine.evaluate import build_eval_loader, evaluate
 
     is_main = dist_info is None or dist_info.is_main
-    device = inference_device(args.device, dist_info)
+    torchrun_device = dist_info.device if dist_info is not None and dist_info.mode == "ddp" else None
+    device = inference_device(args.device, torchrun_device=torchrun_device)
     loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides, flags=_flags(args))
     config, classes = loaded.config, loaded.classes
     split = args.split or config.data.val_split
