@@ -35,7 +35,6 @@ from typing import Any
 
 from syncseg.engine.atomic import TEMPORARY_SUFFIX  # standard library only, like this module
 
-EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
