@@ -141,7 +141,8 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     from syncseg.data import build_dataset
     from syncseg.engine.checkpoint import load_inference_model
     from syncseg.engine.devices import inference_device, log_precision
-    from syncseg.engine.evaluate import build_eval_loader, evaluate
+    from syncseg.engine.evaluate import evaluate
+    from syncseg.engine.samplers import build_eval_loader
 
     is_main = dist_info is None or dist_info.is_main
     torchrun_device = dist_info.device if dist_info is not None and dist_info.mode == "ddp" else None

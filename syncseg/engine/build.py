@@ -1,6 +1,6 @@
 """build_training: every object a training run needs, built from a Config, handed to syncseg.engine.trainer.Trainer.
 
-The parts live in their own modules: data order and loaders (syncseg.engine.samplers, syncseg.engine.evaluate), the
+The parts live in their own modules: data order and loaders (syncseg.engine.samplers), the
 model (syncseg.model.builder) and its wrapper (syncseg.engine.distributed), the loss (syncseg.engine.loss), parameter groups,
 optimizer and schedule (syncseg.engine.optim), precision (syncseg.engine.devices). Nothing here runs a step; a test or a
 benchmark may build the parts, replace one, and give them to a Trainer.
@@ -22,11 +22,11 @@ from syncseg.engine.config import Config
 from syncseg.engine.devices import log_precision, resolve_channels_last
 from syncseg.engine.distributed import DistInfo, assign_sync_groups, compile_for_training, wrap_for_training
 from syncseg.engine.ema import ModelEMA
-from syncseg.engine.evaluate import build_eval_loader, check_batching
 from syncseg.engine.loss import SegmentationLoss, build_loss
 from syncseg.engine.precise_bn import build_precise_bn_loader
 from syncseg.engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
-from syncseg.engine.samplers import ResumableBatchSampler, build_train_loader, split_batch
+from syncseg.engine.samplers import (ResumableBatchSampler, build_eval_loader, build_train_loader, check_batching,
+                                     split_batch)
 from syncseg.engine.seeding import mix_seed
 from syncseg.model.builder import build_model
 from syncseg.model.norm import synchronizes_statistics
