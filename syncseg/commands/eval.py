@@ -139,9 +139,9 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
 def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Evaluate; returns (the JSON record written by rank 0 with --output, evaluate()'s metrics)."""
     from syncseg.data import build_dataset
-    from syncseg.engine.checkpoint import load_inference_model
     from syncseg.engine.devices import inference_device, log_precision
     from syncseg.engine.evaluate import evaluate
+    from syncseg.engine.inference_model import load_inference_model
     from syncseg.engine.samplers import build_eval_loader
 
     is_main = dist_info is None or dist_info.is_main
