@@ -2,9 +2,9 @@
 
 Its loader (syncseg.engine.samplers.build_eval_loader) yields (images N x C x H x W, uint8 or uint16, int64
 masks N x H x W); images are normalized on the device and predicted by syncseg.engine.inference.predict_batch
-(as eval.py, predict.py and the grid do), counted in one ConfusionMatrix on the device. Under torch.distributed each process evaluates a disjoint shard
-(syncseg.engine.samplers.ShardSampler, which never pads, unlike torch's DistributedSampler) and the matrices
-are summed, so every image is counted exactly once.
+(as eval.py, predict.py and the grid do), counted in one ConfusionMatrix on the device. Under
+torch.distributed each process evaluates a disjoint shard (syncseg.engine.samplers.ShardSampler, which never
+pads, unlike torch's DistributedSampler) and the matrices are summed, so every image is counted exactly once.
 """
 from __future__ import annotations
 
