@@ -37,7 +37,8 @@ from torchvision.models.segmentation import deeplabv3_resnet50
 from benchmarks.common import balanced_orders, environment, judge, paired, print_targets, quiet_gc, stable_allocator
 from benchmarks.common import write_record
 from syncseg.engine.config import ModelConfig
-from syncseg.model.builder import build_model, load_segmentation_weights
+from syncseg.model.builder import build_model
+from syncseg.model.weights import load_segmentation_weights
 
 NUM_CLASSES = 21
 TARGET = 1.03

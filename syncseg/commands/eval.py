@@ -139,12 +139,14 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
 def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Evaluate; returns (the JSON record written by rank 0 with --output, evaluate()'s metrics)."""
     from syncseg.data import build_dataset
-    from syncseg.engine.checkpoint import load_inference_model
     from syncseg.engine.devices import inference_device, log_precision
-    from syncseg.engine.evaluate import build_eval_loader, evaluate
+    from syncseg.engine.evaluate import evaluate
+    from syncseg.engine.inference_model import load_inference_model
+    from syncseg.engine.samplers import build_eval_loader
 
     is_main = dist_info is None or dist_info.is_main
-    device = inference_device(args.device, dist_info)
+    torchrun_device = dist_info.device if dist_info is not None and dist_info.mode == "ddp" else None
+    device = inference_device(args.device, torchrun_device=torchrun_device)
     loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides, flags=_flags(args))
     config, classes = loaded.config, loaded.classes
     split = args.split or config.data.val_split

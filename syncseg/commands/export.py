@@ -107,10 +107,11 @@ def run(args: argparse.Namespace) -> int:
     """Export and check as `args` say; returns 0, or raises (syncseg/engine/cli.py maps the exception)."""
     import torch
 
-    from syncseg.engine.checkpoint import load_checkpoint, load_inference_model, save_safetensors
+    from syncseg.engine.checkpoint import load_checkpoint, save_safetensors
     from syncseg.engine.cli import CommandFailed, writing
     from syncseg.engine.export_formats import (SUFFIXES, MissingRuntimeError, check_against_pytorch, export_metadata, export_model,
                                export_ready, load_runner, sample_inputs)
+    from syncseg.engine.inference_model import load_inference_model
 
     if args.size is not None:
         parse_size(args.size, (0, 0))  # a bad --size fails before the model is loaded

@@ -133,11 +133,11 @@ def run(args: argparse.Namespace) -> Outcome:
 
     from syncseg.data import BadSampleError, palette_image
     from syncseg.data.images import ImageFormat, display_rgb, read_image
-    from syncseg.engine.checkpoint import load_inference_model
     from syncseg.engine.cli import writing
     from syncseg.engine.devices import inference_device
     from syncseg.engine.devices import log_precision
     from syncseg.engine.inference import predict_batch
+    from syncseg.engine.inference_model import load_inference_model
     from syncseg.engine.visualize import background_indices, legend_image, overlay, save_png
 
     if not 0.0 <= args.alpha <= 1.0:

@@ -1,17 +1,19 @@
 """The training and inference engine: everything between the command lines and the model/data packages.
 
     config/          the schema (every key, choice, limit, default) and its YAML / KEY=VALUE io
-    build.py         build_training(config, dist_info) -> TrainingParts (datasets ... loaders)
+    build.py         build_training(config, dist_info) -> TrainingParts (datasets ... loaders); init_from_weights
     trainer.py       Trainer(parts): the loop (fit, train_step, validate), state_dict / load_state_dict
-    checkpoint.py    the checkpoint format, torch.save / torch.load, Checkpointer, loading for inference
+    checkpointer.py  Checkpointer: last.pt / best.pt of a run (non-finite check, RNG states, best.pt subset)
+    checkpoint.py    the checkpoint file format: torch.save / torch.load, keys, peek, safetensors, weight files
+    inference_model.py  load_inference_model: checkpoint -> config -> model on a device (eval.py, predict.py)
     inference.py     predict_batch: the one inference entry point (validation, eval.py, grids, predict.py)
-    evaluate.py      evaluate() over a sharded, non-padding eval loader
+    evaluate.py      evaluate(): the one evaluation loop
     confusion.py     ConfusionMatrix (on device, all-reduced)
     devices.py       --gpus / --device parsing; precision (train.amp / eval.amp) and autocast
     distributed.py   topology (CPU, DataParallelWithCallback, torchrun / srun DDP) and collectives
     run_plan.py      the run dir: lock, fresh or resume, what every rank loads
     signals.py       stop requests agreed by all ranks
-    samplers.py      resumable training batches and the training loader
+    samplers.py      resumable training batches and the training loader; the non-padding eval loader
     seeding.py       per-sample seeds, worker init, every RNG's state
     loss.py          SegmentationLoss (loss_terms.py: focal, Dice, Lovasz);  accumulation.py  micro-batches of one
                      step;  optim.py  groups, optimizer, LR

@@ -1,14 +1,16 @@
 """build_training: every object a training run needs, built from a Config, handed to syncseg.engine.trainer.Trainer.
 
-The parts live in their own modules: data order and loaders (syncseg.engine.samplers, syncseg.engine.evaluate), the
-model (syncseg.model.builder) and its wrapper (syncseg.engine.distributed), the loss (syncseg.engine.loss), parameter groups,
-optimizer and schedule (syncseg.engine.optim), precision (syncseg.engine.devices). Nothing here runs a step; a test or a
-benchmark may build the parts, replace one, and give them to a Trainer.
+The parts live in their own modules: data order and loaders (syncseg.engine.samplers), the model
+(syncseg.model.builder; `init_from_weights` here starts it from model.init_checkpoint) and its wrapper
+(syncseg.engine.distributed), the loss (syncseg.engine.loss), parameter groups, optimizer and schedule
+(syncseg.engine.optim), precision (syncseg.engine.devices). Nothing here runs a step; a test or a benchmark
+may build the parts, replace one, and give them to a Trainer.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,19 +19,20 @@ from torch.utils.data import DataLoader
 
 from syncseg.data import build_dataset, check_masks_at_start
 from syncseg.engine.accumulation import describe_batches
-from syncseg.engine.checkpoint import init_from_weights
+from syncseg.engine.checkpoint import load_weights_file
 from syncseg.engine.config import Config
 from syncseg.engine.devices import log_precision, resolve_channels_last
 from syncseg.engine.distributed import DistInfo, assign_sync_groups, compile_for_training, wrap_for_training
 from syncseg.engine.ema import ModelEMA
-from syncseg.engine.evaluate import build_eval_loader, check_batching
 from syncseg.engine.loss import SegmentationLoss, build_loss
 from syncseg.engine.precise_bn import build_precise_bn_loader
 from syncseg.engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
-from syncseg.engine.samplers import ResumableBatchSampler, build_train_loader, split_batch
+from syncseg.engine.samplers import (ResumableBatchSampler, build_eval_loader, build_train_loader, check_batching,
+                                     split_batch)
 from syncseg.engine.seeding import mix_seed
 from syncseg.model.builder import build_model
 from syncseg.model.norm import synchronizes_statistics
+from syncseg.model.weights import LoadedWeights, describe_architecture, load_segmentation_weights
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,20 @@ class TrainingParts:
     @property
     def eval_model(self) -> nn.Module:
         return self.ema.module if self.ema is not None else self.model
+
+
+def init_from_weights(model: nn.Module, path: str | Path, *, model_cfg: Any) -> LoadedWeights:
+    """Fine-tuning: load `path` (see syncseg.engine.checkpoint.load_weights_file) into `model`, built from `model_cfg`, and log
+    which keys were loaded, skipped (the classifier of another class count) and left fresh. Raises one
+    ValueError naming the file and both architectures when the weights do not fit."""
+    state_dict, kind = load_weights_file(path)
+    try:
+        report = load_segmentation_weights(model, state_dict)
+    except ValueError as error:
+        raise ValueError(f"model.init_checkpoint '{path}' ({kind}) does not fit the model "
+                         f"[{describe_architecture(model_cfg)}]: {error}") from None
+    logger.info("model.init_checkpoint '%s' (%s): %s", path, kind, report.summary())
+    return report
 
 
 def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = True) -> TrainingParts:

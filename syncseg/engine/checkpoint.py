@@ -1,4 +1,4 @@
-"""Checkpoints: the only place that calls torch.save / torch.load, and loading one into a model on a device.
+"""The checkpoint file format: the only place that calls torch.save / torch.load (besides model/backbones.py).
 
 A checkpoint is a dict of primitives and tensors (docs/design.md): `format_version`, `model` (unwrapped
 state dict), `config` (syncseg.engine.config.to_dict), `classes`, `iteration`, `epoch`, `best_miou`,
@@ -11,35 +11,22 @@ existing checkpoint is either the old one or the new one, never half-written; th
 plain `open()` would give (0644 under umask 022), so teammates on a shared cluster can read them.
 A `.safetensors` file written by `scripts/export.py --format safetensors` loads here too.
 
-`Checkpointer` writes a training run's checkpoints (the non-finite check, every process's RNG state,
-the best.pt subset) and restores the RNG state; syncseg.engine.trainer.Trainer.state_dict / load_state_dict
-are the rest of the pair. `load_inference_model` is what eval.py and predict.py share: checkpoint -> config (with overrides and
-CLI flags) -> model with the weights, on a device, in eval mode. `init_from_weights` is fine-tuning's
-(model.init_checkpoint): a syncseg checkpoint or a plain state dict such as torchvision's
-segmentation weights, the classifier skipped when the class count differs.
+What uses the files lives elsewhere: a training run's writing (syncseg.engine.checkpointer.Checkpointer), loading
+for inference (syncseg.engine.inference_model.load_inference_model), fine-tuning from `load_weights_file`
+(syncseg.engine.build.init_from_weights), and matching a state dict to a model (syncseg.model.weights).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from syncseg.engine.atomic import write_atomically
-from syncseg.engine.config import Config, from_dict, inference_config
-from syncseg.engine.devices import resolve_channels_last
-from syncseg.engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
-from syncseg.engine.seeding import capture_rng_state, restore_rng_state
 from syncseg.model.backbones import unwrap_state_dict
-from syncseg.model.builder import LoadedWeights, build_model, load_segmentation_weights, state_dict_problems
-
-logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 # What eval.py / predict.py / fine-tuning need; a training resume also needs optimizer etc. and
@@ -81,14 +68,6 @@ def _check_plain(value: Any, where: str) -> None:
         "primitives, tensors, lists, tuples and dicts load with weights_only=True (convert it first, "
         "e.g. numpy arrays with torch.from_numpy, dataclasses with syncseg.engine.config.to_dict)"
     )
-
-
-def weights_payload(payload: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The best.pt subset of a training payload: WEIGHTS_KEYS (those present) and `metrics`."""
-    small = {key: payload[key] for key in WEIGHTS_KEYS if key in payload}
-    if metrics is not None:
-        small["metrics"] = dict(metrics)
-    return small
 
 
 def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
@@ -182,7 +161,7 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
     Accepts a syncseg checkpoint (best.pt / last.pt: its `model`), a plain state dict (torchvision's
     segmentation weights such as deeplabv3_resnet101_coco-586e9e4e.pth), or a state dict wrapped as
     {"state_dict": ...} or {"model": ...}; a `module.` prefix on every key is stripped later
-    (syncseg.model.builder.load_segmentation_weights). Raises FileNotFoundError naming the file and where such
+    (syncseg.model.weights.load_segmentation_weights). Raises FileNotFoundError naming the file and where such
     files come from, ValueError when it is unreadable or holds no state dict.
     """
     path = Path(path)
@@ -199,20 +178,6 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
     if where == "model" and "format_version" in loaded:
         return state_dict, f"a syncseg checkpoint, iteration {loaded.get('iteration', '?')}"
     return state_dict, f"a state dict under '{where}'" if where else "a plain state dict"
-
-
-def init_from_weights(model: nn.Module, path: str | Path, *, model_cfg: Any) -> LoadedWeights:
-    """Fine-tuning: load `path` (see load_weights_file) into `model`, built from `model_cfg`, and log
-    which keys were loaded, skipped (the classifier of another class count) and left fresh. Raises one
-    ValueError naming the file and both architectures when the weights do not fit."""
-    state_dict, kind = load_weights_file(path)
-    try:
-        report = load_segmentation_weights(model, state_dict)
-    except ValueError as error:
-        raise ValueError(f"model.init_checkpoint '{path}' ({kind}) does not fit the model "
-                         f"[{describe_architecture(model_cfg)}]: {error}") from None
-    logger.info("model.init_checkpoint '%s' (%s): %s", path, kind, report.summary())
-    return report
 
 
 def peek_checkpoint(path: str | Path) -> dict[str, Any] | None:
@@ -235,131 +200,3 @@ def peek_checkpoint(path: str | Path) -> dict[str, Any] | None:
     if isinstance(payload.get("config"), dict):
         small["config"] = payload["config"]
     return small
-
-
-def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
-    """The name of the first floating-point tensor holding inf or nan, or None."""
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
-
-
-def non_finite_error(what: str, *, iteration: int, run_dir: Path) -> FloatingPointError:
-    """The error that stops training at a non-finite loss or tensor (`what`), saving nothing."""
-    return FloatingPointError(
-        f"non-finite {what} at iteration {iteration}; stopping without saving. The last good checkpoint "
-        f"({run_dir / 'last.pt'}) was left untouched; lower train.lr, try train.amp=off, or check the data")
-
-
-class Checkpointer:
-    """Writes a training run's last.pt / best.pt into `run_dir` (rank 0 writes; every process calls `save`,
-    which gathers the RNG states) and restores this process's RNG state from one."""
-
-    def __init__(self, run_dir: Path, dist_info: DistInfo) -> None:
-        self.run_dir, self.dist = Path(run_dir), dist_info
-
-    def save(self, names: Iterable[str], state: Mapping[str, Any], *, best_metrics: Mapping[str, Any] | None,
-             weights: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Write run_dir/<name> for each name: last.pt gets `state` (syncseg.engine.trainer.Trainer.state_dict) plus
-        every process's RNG state; best.pt `weights_payload(state, metrics=best_metrics)` with `weights`
-        (e.g. the averaged ones) as its model when given.
-
-        Raises FloatingPointError, before writing, when a tensor of state["model"] is not finite on any
-        process: the previous checkpoint stays the last good one.
-        """
-        names = list(names)
-        bad = first_non_finite(state["model"])
-        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.dist.device)
-        all_reduce_sum(flag)
-        if flag.item() > 0:
-            where = f"tensor {bad}" if bad is not None else "a tensor of another process"
-            raise non_finite_error(where, iteration=int(state["iteration"]), run_dir=self.run_dir)
-        rng_states: list[Any] = [capture_rng_state()]
-        if is_dist():
-            rng_states = [None] * self.dist.world_size
-            torch.distributed.all_gather_object(rng_states, capture_rng_state())
-        if self.dist.is_main:
-            payload = {**state, "rng": {"per_rank": rng_states}}
-            for name in names:
-                shared = payload if weights is None else {**payload, "model": weights}
-                save_checkpoint(self.run_dir / name, weights_payload(shared, metrics=best_metrics)
-                                if name == "best.pt" else payload)
-            logger.info("saved %s at iteration %d", " and ".join(names), state["iteration"])
-        barrier()
-
-    def restore_rng(self, rng: Mapping[str, Any], *, reseed: int) -> None:
-        """This process's RNG state from a checkpoint's `rng`; when it was saved by a different number of
-        processes, torch is seeded with `reseed` instead (with a warning)."""
-        states = rng.get("per_rank") or []
-        if len(states) == self.dist.world_size:
-            restore_rng_state(states[self.dist.rank])
-        else:
-            logger.warning("checkpoint RNG states are for %d process(es), this run has %d: reseeding",
-                           len(states), self.dist.world_size)
-            torch.manual_seed(reseed)
-
-
-def describe_architecture(model_cfg: Any) -> str:
-    """The model.* settings that decide the state dict's keys and shapes, as KEY=VALUE text."""
-    return (f"model.arch={model_cfg.arch} model.backbone={model_cfg.backbone} "
-            f"model.output_stride={model_cfg.output_stride} model.head_channels={model_cfg.head_channels} "
-            f"model.aux_loss={model_cfg.aux_loss}")
-
-
-def load_model_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, checkpoint: str | Path,
-                       saved_model_cfg: Any, model_cfg: Any) -> None:
-    """Load every tensor of a checkpoint's `model` strictly (evaluation / prediction, not fine-tuning).
-
-    Raises one ValueError naming the checkpoint, the architecture it was trained with
-    (`saved_model_cfg`) and the one asked for (`model_cfg`), and the first missing / unexpected /
-    mis-shaped tensor, instead of load_state_dict's multi-line shape traceback.
-    """
-    expected = model.state_dict()
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
-    shapes = [f"{key}: checkpoint {tuple(state_dict[key].shape)} vs model {tuple(value.shape)}"
-              for key, value in expected.items() if key in state_dict and state_dict[key].shape != value.shape]
-    if missing or unexpected or shapes:
-        problems = state_dict_problems(missing, unexpected, shapes)
-        raise ValueError(
-            f"checkpoint '{checkpoint}' does not fit the model: it was trained as "
-            f"[{describe_architecture(saved_model_cfg)}], the config asks for [{describe_architecture(model_cfg)}]: "
-            f"{'; '.join(problems)}; drop the model.* overrides"
-        )
-    model.load_state_dict(state_dict, strict=True)
-
-
-@dataclass
-class InferenceModel:
-    """A checkpoint's model ready for inference (eval mode, on `device`) and what describes it."""
-
-    model: nn.Module
-    config: Config  # the checkpoint's config with the overrides and flags applied
-    classes: list[str]
-    iteration: int | None
-    path: Path
-    device: torch.device
-
-
-def load_inference_model(path: str | Path, *, device: torch.device, overrides: list[str] | tuple[str, ...] = (),
-                         flags: Mapping[str, Any] | None = None) -> InferenceModel:
-    """Load checkpoint `path` (best.pt or last.pt) for evaluation or prediction on `device`.
-
-    The model is rebuilt from the stored config; `overrides` (KEY=VALUE) and `flags` ({"eval.mode":
-    ...}, None values ignored) apply on top. Raises FileNotFoundError / ValueError with one line
-    naming the file, the key or the mismatching tensor.
-    """
-    path = Path(path)
-    payload = load_checkpoint(path)
-    source = f"checkpoint '{path}'"
-    config = inference_config(payload["config"], overrides, source=source, flags=flags)
-    classes = [str(name) for name in payload["classes"]]
-    # the layout training resolved on this kind of device (from train.amp), so validation numbers reproduce
-    channels_last, _ = resolve_channels_last(config.model.channels_last, config.train.amp, device)
-    model = build_model(config.model, len(classes), in_channels=config.data.in_channels, channels_last=channels_last)
-    load_model_weights(model, payload.pop("model"), checkpoint=path,
-                       saved_model_cfg=from_dict(payload["config"], source=source).model, model_cfg=config.model)
-    model.to(device).eval()
-    return InferenceModel(model=model, config=config, classes=classes, iteration=payload.get("iteration"),
-                          path=path, device=device)

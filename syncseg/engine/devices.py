@@ -14,12 +14,8 @@ import functools
 import inspect
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from syncseg.engine.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 
@@ -122,14 +118,15 @@ def parse_gpus(gpus: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def inference_device(name: str | None, dist_info: "DistInfo | None" = None) -> torch.device:
+def inference_device(name: str | None, *, torchrun_device: torch.device | None = None) -> torch.device:
     """The device for eval.py / predict.py: `name` (cpu, cuda, cuda:N; None = cuda if available, else
-    cpu), or this process's device under torchrun. ValueError naming the value when it cannot be used."""
-    if dist_info is not None and dist_info.mode == "ddp":
+    cpu), or `torchrun_device`, this process's device under torchrun (syncseg.engine.distributed.DistInfo.device
+    in mode ddp), when given. ValueError naming the value when it cannot be used."""
+    if torchrun_device is not None:
         if name is not None:
             raise ValueError(f"--device {name} cannot be combined with torchrun: each process uses "
                              "cuda:LOCAL_RANK (or the CPU without CUDA)")
-        return dist_info.device
+        return torchrun_device
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)

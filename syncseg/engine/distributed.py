@@ -311,10 +311,6 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
 
 
-def is_main_process() -> bool:
-    return get_rank() == 0
-
-
 def barrier() -> None:
     """Wait for every process; no-op outside torch.distributed."""
     if is_dist():

@@ -1,11 +1,10 @@
-"""evaluate(): the one evaluation loop, used by train.py's validation and by eval.py, and its loader
-(build_eval_loader over a ShardSampler).
+"""evaluate(): the one evaluation loop, used by train.py's validation and by eval.py.
 
-The loader yields (images N x C x H x W, uint8 or uint16, int64 masks N x H x W); images are normalized on the
-device and predicted by syncseg.engine.inference.predict_batch (as eval.py, predict.py and the grid do), counted in
-one ConfusionMatrix on the device. Under torch.distributed each process evaluates a disjoint shard
-(ShardSampler, which never pads, unlike torch's DistributedSampler) and the matrices
-are summed, so every image is counted exactly once.
+Its loader (syncseg.engine.samplers.build_eval_loader) yields (images N x C x H x W, uint8 or uint16, int64
+masks N x H x W); images are normalized on the device and predicted by syncseg.engine.inference.predict_batch
+(as eval.py, predict.py and the grid do), counted in one ConfusionMatrix on the device. Under
+torch.distributed each process evaluates a disjoint shard (syncseg.engine.samplers.ShardSampler, which never
+pads, unlike torch's DistributedSampler) and the matrices are summed, so every image is counted exactly once.
 """
 from __future__ import annotations
 
@@ -15,77 +14,17 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from syncseg.engine.distributed import all_reduce_max, all_reduce_sum, get_rank, get_world_size
-from syncseg.engine.inference import predict_batch
 from syncseg.engine.confusion import ConfusionMatrix
-from syncseg.engine.seeding import worker_init
+from syncseg.engine.distributed import all_reduce_max, all_reduce_sum, get_rank
+from syncseg.engine.inference import predict_batch
 
 logger = logging.getLogger(__name__)
-
-
-class ShardSampler(Sampler[int]):
-    """Indices rank, rank + world_size, ... of range(num_samples), in order, without padding.
-
-    Shards are disjoint and together cover every index once; their lengths differ by at most one.
-    rank / world_size default to torch.distributed's (0 / 1 when it is not initialized).
-    """
-
-    def __init__(self, num_samples: int, *, rank: int | None = None, world_size: int | None = None):
-        self.rank = get_rank() if rank is None else rank
-        self.world_size = get_world_size() if world_size is None else world_size
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"ShardSampler: rank={self.rank} must lie in [0, world_size={self.world_size})")
-        self.num_samples = num_samples
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.num_samples, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.num_samples, self.world_size))
-
-
-def build_eval_loader(
-    dataset: Dataset, *, batch_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
-    rank: int | None = None, world_size: int | None = None, seed: int = 0,
-) -> DataLoader:
-    """A DataLoader over this process's ShardSampler shard, in dataset order, no shuffling or padding.
-
-    batch_size > 1 needs images of one size (the default collate stacks them). Its own generator keeps
-    it from drawing on the global RNG (a validation must not shift training's random stream).
-    """
-    sampler = ShardSampler(len(dataset), rank=rank, world_size=world_size)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=False, persistent_workers=False, worker_init_fn=worker_init,
-                      generator=torch.Generator().manual_seed(seed))
-
-
-def check_batching(dataset: Any, batch_size: int, *, key: str) -> None:
-    """ValueError when batches of `batch_size` images cannot be stacked: the images of `dataset`, after
-    its evaluation transform, differ in size. Reads image headers only (datasets with `image_size`)."""
-    if batch_size <= 1 or not hasattr(dataset, "image_size"):
-        return
-    sizes: dict[tuple[int, int], int] = {}
-    for index in range(len(dataset)):
-        sizes.setdefault(tuple(dataset.image_size(index)), index)
-    if len(sizes) > 1 and getattr(dataset, "transform", None) is not None:
-        resized: dict[tuple[int, int], int] = {}
-        for (height, width), index in sizes.items():  # one blank image per distinct size
-            image, _ = dataset.transform(np.zeros((height, width, 3), np.uint8), np.zeros((height, width), np.uint8))
-            resized.setdefault(tuple(image.shape[-2:]), index)
-        sizes = resized
-    if len(sizes) > 1:
-        (first, first_index), (second, second_index) = list(sizes.items())[:2]
-        raise ValueError(
-            f"{key}={batch_size} stacks several images per batch, but the images differ in size (e.g. "
-            f"{dataset.name_of(first_index)} is {first[1]}x{first[0]}, {dataset.name_of(second_index)} is "
-            f"{second[1]}x{second[0]}, width x height); set {key}=1")
 
 
 def evaluate(

@@ -3,7 +3,7 @@
 `Trainer.from_config(config, dist_info).fit()` trains `config.train.iters` optimizer steps. A run stopped at
 iteration K and resumed computes the same losses as an uninterrupted run: the checkpoint holds the
 model, optimizer, scheduler, scaler, iteration and every process's RNG state (`state_dict` /
-`load_state_dict`, written by syncseg.engine.checkpoint.Checkpointer), and the data order is a function of
+`load_state_dict`, written by syncseg.engine.checkpointer.Checkpointer), and the data order is a function of
 (train.seed, epoch).
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 from syncseg.data.transforms import normalize_batch
 from syncseg.engine.accumulation import gradient_sync, step_normalizer
 from syncseg.engine.build import TrainingParts, build_training
-from syncseg.engine.checkpoint import FORMAT_VERSION, Checkpointer, load_model_weights, non_finite_error
+from syncseg.engine.checkpoint import FORMAT_VERSION
+from syncseg.engine.checkpointer import Checkpointer, non_finite_error
 from syncseg.engine.config import Config, from_dict, save_config, to_dict
 from syncseg.engine.devices import autocast_for
 from syncseg.engine.distributed import DistInfo, all_reduce_sum
@@ -32,6 +33,7 @@ from syncseg.engine.samplers import shutdown_workers, train_steps
 from syncseg.engine.seeding import mix_seed, seed_process
 from syncseg.engine.signals import StopRequest
 from syncseg.engine.visualize import prediction_grid
+from syncseg.model.weights import load_model_weights
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +286,7 @@ class Trainer:
                                                                     self.iteration))
 
     def save(self, names: list[str]) -> None:
-        """Write run_dir/<name> for each name (syncseg.engine.checkpoint.Checkpointer.save; every process calls it).
+        """Write run_dir/<name> for each name (syncseg.engine.checkpointer.Checkpointer.save; every process calls it).
         best.pt shares the weights validation used (the averaged ones with train.ema_decay)."""
         state = self.state_dict()
         self.checkpointer.save(names, state, best_metrics=self.best_metrics, weights=state.get("ema"))

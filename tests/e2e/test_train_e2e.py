@@ -237,7 +237,7 @@ def test_fine_tuning_from_torchvision_deeplabv3_weights_loads_all_but_the_classi
                  "model.head_channels=256", "model.aspp_rates=12,24,36", "train.iters=2", "train.val_interval=2",
                  "train.batch_size=2",
                  f"model.init_checkpoint={path}"]
-    with caplog.at_level("INFO", logger="syncseg.engine.checkpoint"):
+    with caplog.at_level("INFO", logger="syncseg.engine.build"):
         trainer = Trainer.from_config(load_config("demo.yaml", overrides), DistInfo(), progress=False)
     tuned = trainer.model.state_dict()
     assert len(trainer.parts.classes) == 6

@@ -1,4 +1,6 @@
-"""syncseg.engine.checkpoint: atomic save, checked load, loading into a model for inference, resume resolution."""
+"""syncseg.engine.checkpoint (atomic save, checked load, weight files) and its users: the best.pt subset
+(checkpointer), loading for inference (inference_model), fine-tuning (build.init_from_weights), strict
+loading (model.weights)."""
 from __future__ import annotations
 
 import errno
@@ -9,18 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from syncseg.engine.checkpoint import (
-    FORMAT_VERSION,
-    init_from_weights,
-    load_checkpoint,
-    load_inference_model,
-    load_model_weights,
-    load_weights_file,
-    save_checkpoint,
-)
+from syncseg.engine.build import init_from_weights
+from syncseg.engine.checkpoint import FORMAT_VERSION, load_checkpoint, load_weights_file, save_checkpoint
 from syncseg.engine.config import Config, ModelConfig
 from syncseg.engine.config import from_dict, load_config, to_dict
+from syncseg.engine.inference_model import load_inference_model
 from syncseg.model.builder import build_model
+from syncseg.model.weights import load_model_weights
 
 
 def _payload(model: nn.Module) -> dict:
@@ -202,7 +199,8 @@ def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
 
 
 def test_weights_payload_keeps_what_inference_needs_and_a_best_pt_cannot_be_resumed(tmp_path):
-    from syncseg.engine.checkpoint import RESUME_KEYS, WEIGHTS_KEYS, weights_payload
+    from syncseg.engine.checkpoint import RESUME_KEYS, WEIGHTS_KEYS
+    from syncseg.engine.checkpointer import weights_payload
 
     full = {**_payload(nn.Linear(3, 2)), "run_id": "r1", "overrides": {"train.iters": "5"}}
     small = weights_payload(full, metrics={"miou": 0.5, "iou": [0.5, None]})
@@ -297,7 +295,7 @@ def test_a_wrong_architecture_is_one_line_naming_file_and_both_architectures(tmp
     assert "model.backbone=resnet18" in message and "96 unexpected tensor(s) (e.g. backbone.layer1.2.conv1.weight)" in message
     # a good file logs exactly what was loaded, skipped and left fresh, in one record
     torch.save(_small_model(21, aux_loss=True).state_dict(), tmp_path / "aux.pth")
-    with caplog.at_level("INFO", logger="syncseg.engine.checkpoint"):
+    with caplog.at_level("INFO", logger="syncseg.engine.build"):
         init_from_weights(_small_model(6), tmp_path / "aux.pth", model_cfg=ModelConfig())
     (record,) = [r.getMessage() for r in caplog.records if "aux.pth" in r.getMessage()]
     assert ("loaded 174 of the model's 176 tensors: backbone.*, classifier.aspp.*, classifier.low_level_project.*, "

@@ -191,10 +191,9 @@ def test_inference_device_parses_and_checks_the_device(monkeypatch):
     assert inference_device("cuda") == torch.device("cuda", 1)  # now the current one
     with pytest.raises(ValueError, match="--device cuda:2: this machine has 2 CUDA device"):
         inference_device("cuda:2")
-    under_torchrun = DistInfo(rank=1, world_size=2, device=torch.device("cpu"), mode="ddp")
-    assert inference_device(None, under_torchrun) == torch.device("cpu")
+    assert inference_device(None, torchrun_device=torch.device("cpu")) == torch.device("cpu")
     with pytest.raises(ValueError, match="cannot be combined with torchrun"):
-        inference_device("cpu", under_torchrun)
+        inference_device("cpu", torchrun_device=torch.device("cpu"))
 
 
 def test_the_buffer_sync_keyword_follows_the_installed_ddp_signature():

@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from syncseg.engine.config import DataConfig, EvalConfig
-from syncseg.engine.evaluate import build_eval_loader, evaluate
+from syncseg.engine.evaluate import evaluate
+from syncseg.engine.samplers import build_eval_loader
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

@@ -5,9 +5,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from syncseg.engine.evaluate import ShardSampler, build_eval_loader
 from syncseg.engine.samplers import (
     ResumableBatchSampler,
+    ShardSampler,
+    build_eval_loader,
     build_train_loader,
     split_batch,
     train_batches,

@@ -16,8 +16,9 @@ from torchvision.ops import FrozenBatchNorm2d
 
 from syncseg.engine.config import ModelConfig
 from syncseg.engine.optim import build_param_groups
-from syncseg.model.builder import build_model, load_segmentation_weights, unwrap_model
+from syncseg.model.builder import build_model, unwrap_model
 from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d, revert_model
+from syncseg.model.weights import load_segmentation_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,7 +171,7 @@ def test_fine_tuning_strips_a_data_parallel_prefix():
 
 
 def test_compact_keys_names_whole_modules_and_single_keys_exactly():
-    from syncseg.model.builder import compact_keys
+    from syncseg.model.weights import compact_keys
 
     universe = ["a.x", "a.y", "b.0.w", "b.0.b", "b.1.w", "c"]
     assert compact_keys(universe, universe) == ["a.*", "b.*", "c"]

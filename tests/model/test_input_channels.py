@@ -12,8 +12,9 @@ from torch import nn
 
 from syncseg.engine.config import ModelConfig
 from syncseg.model.backbones import build_backbone
-from syncseg.model.builder import build_model, load_segmentation_weights
+from syncseg.model.builder import build_model
 from syncseg.model.input_channels import adapt_input_channels, first_convolution, rgb_filters_for
+from syncseg.model.weights import load_segmentation_weights
 from tests.model.test_backbones import _randomize_batchnorm
 
 

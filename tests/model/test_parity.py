@@ -5,8 +5,9 @@ from torch import nn
 from torchvision.models import segmentation
 
 from syncseg.engine.config import ModelConfig
-from syncseg.model.builder import build_model, load_segmentation_weights
+from syncseg.model.builder import build_model
 from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
+from syncseg.model.weights import load_segmentation_weights
 
 
 def _randomize_batchnorm(module: nn.Module) -> None:

@@ -118,12 +118,13 @@ def test_a_full_disk_is_one_line_naming_the_file_and_an_earlier_export_there_sta
 def test_a_name_the_loaders_would_misread_is_refused_before_anything_is_written(checkpoint, tmp_path, capsys,
                                                                                  monkeypatch, fmt, name, fragment):
     import syncseg.engine.checkpoint
+    import syncseg.engine.inference_model
 
     def never(*args, **kwargs):
         raise AssertionError("read the checkpoint although the output name is refused")
 
     monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", never)
-    monkeypatch.setattr(syncseg.engine.checkpoint, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.inference_model, "load_inference_model", never)
     folder = tmp_path / "out"
     output = folder / name
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 2
@@ -156,12 +157,13 @@ def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_p
 def test_an_unwritable_output_names_the_path_before_reading_the_checkpoint(checkpoint, tmp_path, capsys,
                                                                            monkeypatch, fmt):
     import syncseg.engine.checkpoint
+    import syncseg.engine.inference_model
 
     def never(*args, **kwargs):
         raise AssertionError("read the checkpoint although the output cannot be written")
 
     monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", never)
-    monkeypatch.setattr(syncseg.engine.checkpoint, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.inference_model, "load_inference_model", never)
     blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
     blocker.write_text("not a folder")
     output = blocker / "sub" / f"model{'.safetensors' if fmt == 'safetensors' else '.pt'}"

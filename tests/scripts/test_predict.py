@@ -257,12 +257,12 @@ def test_a_single_unreadable_input_file_is_a_bad_input(checkpoint, tmp_path, cap
 
 
 def test_an_unwritable_output_names_the_path_before_loading_the_model(checkpoint, tmp_path, capsys, monkeypatch):
-    import syncseg.engine.checkpoint
+    import syncseg.engine.inference_model
 
     def never(*args, **kwargs):
         raise AssertionError("loaded the model although the output cannot be written")
 
-    monkeypatch.setattr(syncseg.engine.checkpoint, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.inference_model, "load_inference_model", never)
     Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / "y.png")
     blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
     blocker.write_text("not a folder")

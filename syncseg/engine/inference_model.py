@@ -1,0 +1,56 @@
+"""Loading a checkpoint's model for inference: what eval.py, predict.py and export.py share.
+
+`load_inference_model`: checkpoint -> config (with overrides and CLI flags) -> model with the weights, on a
+device, in eval mode. The file is read by syncseg.engine.checkpoint, the weights matched strictly by
+syncseg.model.weights.load_model_weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from syncseg.engine.checkpoint import load_checkpoint
+from syncseg.engine.config import Config, from_dict, inference_config
+from syncseg.engine.devices import resolve_channels_last
+from syncseg.model.builder import build_model
+from syncseg.model.weights import load_model_weights
+
+
+@dataclass
+class InferenceModel:
+    """A checkpoint's model ready for inference (eval mode, on `device`) and what describes it."""
+
+    model: nn.Module
+    config: Config  # the checkpoint's config with the overrides and flags applied
+    classes: list[str]
+    iteration: int | None
+    path: Path
+    device: torch.device
+
+
+def load_inference_model(path: str | Path, *, device: torch.device, overrides: list[str] | tuple[str, ...] = (),
+                         flags: Mapping[str, Any] | None = None) -> InferenceModel:
+    """Load checkpoint `path` (best.pt or last.pt) for evaluation or prediction on `device`.
+
+    The model is rebuilt from the stored config; `overrides` (KEY=VALUE) and `flags` ({"eval.mode":
+    ...}, None values ignored) apply on top. Raises FileNotFoundError / ValueError with one line
+    naming the file, the key or the mismatching tensor.
+    """
+    path = Path(path)
+    payload = load_checkpoint(path)
+    source = f"checkpoint '{path}'"
+    config = inference_config(payload["config"], overrides, source=source, flags=flags)
+    classes = [str(name) for name in payload["classes"]]
+    # the layout training resolved on this kind of device (from train.amp), so validation numbers reproduce
+    channels_last, _ = resolve_channels_last(config.model.channels_last, config.train.amp, device)
+    model = build_model(config.model, len(classes), in_channels=config.data.in_channels, channels_last=channels_last)
+    load_model_weights(model, payload.pop("model"), checkpoint=path,
+                       saved_model_cfg=from_dict(payload["config"], source=source).model, model_cfg=config.model)
+    model.to(device).eval()
+    return InferenceModel(model=model, config=config, classes=classes, iteration=payload.get("iteration"),
+                          path=path, device=device)
