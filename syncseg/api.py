@@ -137,7 +137,7 @@ def load_model(checkpoint: str | Path, *, device: str | torch.device = "cpu",
     The network is rebuilt from the stored config; `overrides` (KEY=VALUE, e.g. "eval.mode=slide") apply on
     top. Raises FileNotFoundError / ValueError naming the file or the tensor that does not fit.
     """
-    from syncseg.engine.checkpoint import load_inference_model
+    from syncseg.engine.inference_model import load_inference_model
 
     loaded = load_inference_model(checkpoint, device=torch.device(device), overrides=list(overrides))
     return Predictor(model=loaded.model, config=loaded.config, classes=loaded.classes, device=loaded.device,
