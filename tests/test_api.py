@@ -13,9 +13,9 @@ import torch
 from PIL import Image
 
 import syncseg
-from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from syncseg.engine.config import load_config, to_dict
+from syncseg.engine.config import load_config
 from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
+from tests.checkpoints import save_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3"]
@@ -54,19 +54,9 @@ def test_build_model_names_a_bad_keyword(keywords, message):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from syncseg.model.builder import build_model
-
-    config = load_config(None, TINY)
-    torch.manual_seed(3)
-    model = build_model(config.model, 4)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.BatchNorm2d):
-                module.running_mean.uniform_(-0.1, 0.1)
     path = tmp_path_factory.mktemp("ckpt") / "best.pt"
-    save_checkpoint(path, {"format_version": FORMAT_VERSION, "model": model.state_dict(), "config": to_dict(config),
-                           "classes": ["background", "a", "b", "c"], "iteration": 7})
-    return path, config, model.eval()
+    config, model = save_random_checkpoint(path, TINY, ["background", "a", "b", "c"], seed=3, iteration=7)
+    return path, config, model
 
 
 def test_load_model_predicts_as_predict_py_and_a_float64_recomputation(checkpoint, tmp_path):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
-from syncseg.engine.config import load_config, to_dict
+from syncseg.engine.checkpoint import save_checkpoint
+from tests.checkpoints import save_random_checkpoint
 
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn"]
 
@@ -22,20 +22,10 @@ def _load_script():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from syncseg.data import bit_palette
-    from syncseg.model.builder import build_model
 
-    config = load_config(None, TINY)
-    torch.manual_seed(0)
-    model = build_model(config.model, 6)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.BatchNorm2d):
-                module.running_mean.uniform_(-0.1, 0.1)
     path = tmp_path_factory.mktemp("ckpt") / "best.pt"
-    classes = ["background", "a", "b", "c", "d", "e"]
-    save_checkpoint(path, {"format_version": FORMAT_VERSION, "model": model.state_dict(), "config": to_dict(config),
-                           "classes": classes, "iteration": 5})
-    return path, config, model.eval(), bit_palette(6)
+    config, model = save_random_checkpoint(path, TINY, ["background", "a", "b", "c", "d", "e"], seed=0, iteration=5)
+    return path, config, model, bit_palette(6)
 
 
 def _reference(model, image: np.ndarray, config) -> np.ndarray:
