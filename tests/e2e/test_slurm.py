@@ -84,7 +84,7 @@ class Job:
         return match
 
     def wait_iteration(self, iteration: int, *, timeout: float = 90) -> None:
-        self.wait_for(rf"\[rank 0\] engine\.trainer: iter {iteration}/{ITERS}", timeout=timeout)
+        self.wait_for(rf"\[rank 0\] syncseg\.engine\.trainer: iter {iteration}/{ITERS}", timeout=timeout)
 
     def wait_ended(self, *, timeout: float = 60) -> dict[str, str]:
         """scontrol's record once the job has left the queue (its batch script has exited)."""
@@ -115,12 +115,12 @@ class Job:
 def _requested_iteration(log: str) -> int:
     """The iteration rank 0 was in when it logged the signal: the one its line names, or the one after the
     last iteration it logged before that line."""
-    received = re.search(r".*\[rank 0\] engine\.signals: received SIGTERM.*", log)
+    received = re.search(r".*\[rank 0\] syncseg\.engine\.signals: received SIGTERM.*", log)
     assert received, log[-3000:]
     named = re.search(r"iteration (\d+)", received.group(0))
     if named:
         return int(named.group(1))
-    return max(int(n) for n in re.findall(r"\[rank 0\] engine\.trainer: iter (\d+)/", log[:received.start()])) + 1
+    return max(int(n) for n in re.findall(r"\[rank 0\] syncseg\.engine\.trainer: iter (\d+)/", log[:received.start()])) + 1
 
 
 def _stopped_at_request(job: Job) -> tuple[int, int]:
