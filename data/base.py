@@ -19,8 +19,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from syncseg.data.images import ImageFormat, read_image, read_stored_image
-from syncseg.data.palettes import IGNORE_COLOR, bit_palette, palette_table  # noqa: F401  (re-exported)
 from syncseg.data.masks import BadSampleError, LabelTarget, MaskDecoder, MaskSampleReport, inspect_masks, read_index_mask
+from syncseg.data.palettes import palette_table
 from syncseg.data.transforms import IGNORE_INDEX, to_tensors
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, bit_palette, mask_encoding
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, mask_encoding
 from syncseg.data.images import ImageFormat
+from syncseg.data.palettes import bit_palette
 from syncseg.data.transforms import IGNORE_INDEX
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")

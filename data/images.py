@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from syncseg.data.constants import MAX_8BIT, MAX_16BIT, MAX_CHANNELS, RGB_CHANNELS  # noqa: F401  (re-exported)
+from syncseg.data.constants import MAX_8BIT, RGB_CHANNELS
 from syncseg.data.masks import BadSampleError
 
 _IMAGE_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # masks ignore EXIF too

@@ -52,8 +52,10 @@ CITYSCAPES_LABELS = (
 )
 
 # the 19 classes trained and evaluated (trainIds 0..18) and their colours
-CITYSCAPES_CLASSES = tuple(name for _, train_id, name, _ in CITYSCAPES_LABELS if train_id != CITYSCAPES_TABLE_IGNORE)
-CITYSCAPES_COLOURS = tuple(colour for _, train_id, _, colour in CITYSCAPES_LABELS if train_id != CITYSCAPES_TABLE_IGNORE)
+_CITYSCAPES_TRAINED = [(name, colour) for _, train_id, name, colour in CITYSCAPES_LABELS
+                       if train_id != CITYSCAPES_TABLE_IGNORE]
+CITYSCAPES_CLASSES = tuple(name for name, _ in _CITYSCAPES_TRAINED)
+CITYSCAPES_COLOURS = tuple(colour for _, colour in _CITYSCAPES_TRAINED)
 
 # (class name, color) for classes 0..149, i.e. raw annotation values 1..150
 ADE20K_CLASSES_AND_COLOURS = (

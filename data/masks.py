@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from syncseg.data.constants import IGNORE, LabelTarget  # noqa: F401  (LabelTarget: re-exported)
+from syncseg.data.constants import IGNORE, LabelTarget
 
 INDEX_MODES = ("P", "L", "I", "I;16")  # single-channel PIL modes read as raw values
 MAX_LISTED = 10  # values or colours quoted in one message

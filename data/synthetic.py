@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from syncseg.data.base import bit_palette
 from syncseg.data.label_tables import SHAPE_NAMES, SYNTHETIC_CLASSES, SYNTHETIC_DEFAULT_NUM_CLASSES
+from syncseg.data.palettes import bit_palette
 from syncseg.data.transforms import IGNORE_INDEX, to_tensors
 
 DEFAULT_NUM_CLASSES = SYNTHETIC_DEFAULT_NUM_CLASSES

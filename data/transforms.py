@@ -22,8 +22,7 @@ import numpy as np
 import torch
 from albumentations.core.transforms_interface import DualTransform
 
-# the defaults of data.ignore_index, data.mean and data.std, and the pixel-size rule, re-exported from their place
-from syncseg.data.constants import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, MAX_8BIT, height_width  # noqa: F401
+from syncseg.data.constants import IGNORE_INDEX, MAX_8BIT, height_width
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, mask_encoding, bit_palette
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, mask_encoding
 from syncseg.data.label_tables import VOC_CLASSES
+from syncseg.data.palettes import bit_palette
 from syncseg.data.transforms import IGNORE_INDEX
 
 VOC_PALETTE = bit_palette(len(VOC_CLASSES))

@@ -71,7 +71,8 @@ def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB,
         pretrained=str(model_cfg.pretrained_backbone or "none"),
         in_channels=in_channels,
     )
-    classifier = load_object(HEADS.get(arch))(backbone, num_classes, rates, channels, head_norm, dropout=model_cfg.aspp_dropout)
+    build_head = load_object(HEADS.get(arch))
+    classifier = build_head(backbone, num_classes, rates, channels, head_norm, dropout=model_cfg.aspp_dropout)
     aux_classifier = FCNHead(backbone.aux_channels, num_classes, norm_layer=head_norm) if model_cfg.aux_loss else None
     if channels_last is None:
         channels_last = model_cfg.channels_last is True

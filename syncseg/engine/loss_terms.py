@@ -24,8 +24,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from syncseg.engine.registry import IMAGES, PIXELS  # noqa: F401  (what a term's loss sum is divided by)
-
 
 @dataclass(frozen=True)
 class TermInputs:

@@ -126,7 +126,8 @@ def test_a_data_set_kind_registered_outside_the_package_trains(toy_kind, tmp_pat
 
 
 def test_a_backbone_and_a_loss_term_registered_outside_the_package_train(tiny_backbone_and_soft_error, tmp_path):
-    result = _train(tmp_path, "model.backbone=tiny", "train.loss=ce:1,soft_error:0.5", "train.class_weights=1,1,1,1,1,2")
+    result = _train(tmp_path, "model.backbone=tiny", "train.loss=ce:1,soft_error:0.5",
+                    "train.class_weights=1,1,1,1,1,2")
     assert result.iteration == 3 and all(np.isfinite(list(result.losses.values())))
     model = load_checkpoint(tmp_path / "last.pt")["model"]
     assert "backbone.stages.3.0.weight" in model
