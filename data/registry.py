@@ -77,6 +77,15 @@ def dataset_kind(name: str) -> DatasetKind:
     return DATASET_KINDS.get(name)
 
 
+def build_dataset(data_cfg: Any, split: str, *, train: bool) -> Any:
+    """The dataset named by a validated `data` config section for `split`, with the train (train=True)
+    or eval pipeline. Raises FileNotFoundError naming the missing path and the expected layout."""
+    from syncseg.data.transforms import build_eval_transform, build_train_transform
+
+    transform = build_train_transform(data_cfg) if train else build_eval_transform(data_cfg)
+    return dataset_kind(data_cfg.dataset).builder()(data_cfg, split, transform)
+
+
 # the built-in kinds, in the order --help and errors list them
 register_dataset_kind(DatasetKind("voc", "syncseg.data.voc:build_voc", classes=VOC_CLASSES))
 register_dataset_kind(DatasetKind(
@@ -91,11 +100,3 @@ register_dataset_kind(DatasetKind(
 register_dataset_kind(DatasetKind("folder", "syncseg.data.folder:build_folder", reduces_zero_label=True,
                                   any_image_format=True))
 
-
-def build_dataset(data_cfg: Any, split: str, *, train: bool) -> Any:
-    """The dataset named by a validated `data` config section for `split`, with the train (train=True)
-    or eval pipeline. Raises FileNotFoundError naming the missing path and the expected layout."""
-    from syncseg.data.transforms import build_eval_transform, build_train_transform
-
-    transform = build_train_transform(data_cfg) if train else build_eval_transform(data_cfg)
-    return dataset_kind(data_cfg.dataset).builder()(data_cfg, split, transform)

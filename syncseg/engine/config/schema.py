@@ -4,8 +4,8 @@ Fixed choices are `Literal` annotations; the values of an extension point (data.
 model.arch, model.norm, train.loss's names) are its registry's (syncseg/registry.py), checked when a config
 is validated, so a kind registered by the user's code is accepted; numeric limits are `Limit`s attached to
 their fields; rules that involve several fields are in `validate()` (the data section's, which depend on
-the data set kind, in syncseg/engine/config/data_rules.py). Builders and datasets receive validated sections and do
-not check them again. Reading YAML, the `base:` chain, command-line overrides and the dict round trip
+the data set kind, in syncseg/engine/config/data_rules.py). Builders and datasets receive validated
+sections and do not check them again. Reading YAML, the `base:` chain, command-line overrides and the dict round trip
 live in syncseg/engine/config/io.py.
 """
 from __future__ import annotations
