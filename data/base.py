@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 from syncseg.data.images import ImageFormat, read_image, read_stored_image
 from syncseg.data.masks import BadSampleError, LabelTarget, MaskDecoder, MaskSampleReport, inspect_masks, read_index_mask
+from syncseg.data.palettes import palette_table
 from syncseg.data.transforms import IGNORE_INDEX, to_tensors
 
 logger = logging.getLogger(__name__)
@@ -27,32 +28,9 @@ logger = logging.getLogger(__name__)
 Transform = Callable[[np.ndarray, np.ndarray], tuple[torch.Tensor, torch.Tensor]]
 
 
-def bit_palette(num_colors: int) -> np.ndarray:
-    """The Pascal VOC color map (bits of the index spread over R, G, B): num_colors x 3 uint8."""
-    palette = np.zeros((num_colors, 3), dtype=np.uint8)
-    for index in range(num_colors):
-        value, red, green, blue = index, 0, 0, 0
-        for bit in range(8):
-            red |= ((value >> 0) & 1) << (7 - bit)
-            green |= ((value >> 1) & 1) << (7 - bit)
-            blue |= ((value >> 2) & 1) << (7 - bit)
-            value >>= 3
-        palette[index] = (red, green, blue)
-    return palette
-
-
-IGNORE_COLOR = (224, 224, 192)  # VOC's cream for its 255 "void" label: apart from every class and from black
-
-
-def palette_table(palette: np.ndarray, *, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
-    """256 x 3 uint8 colours by label value: `palette` (num_classes x 3) for the classes, IGNORE_COLOR
-    at `ignore_index` (when it is not a class index), black for every other value."""
-    palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)[:256]
-    table = np.zeros((256, 3), dtype=np.uint8)
-    table[: len(palette)] = palette
-    if len(palette) <= ignore_index < 256:
-        table[ignore_index] = IGNORE_COLOR
-    return table
+def mask_encoding(data_cfg: Any) -> dict[str, Any]:
+    """data.label_map and data.class_colors as keyword arguments, as every file-backed dataset takes them."""
+    return {"label_map": data_cfg.label_map, "class_colors": data_cfg.class_colors}
 
 
 def palette_image(mask: np.ndarray, palette: np.ndarray, *, ignore_index: int = IGNORE_INDEX) -> Image.Image:

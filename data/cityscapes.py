@@ -10,64 +10,25 @@ that package in tests/data/test_cityscapes.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from syncseg.data.base import LabelTarget, SegmentationDataset, Transform
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, mask_encoding
+from syncseg.data.label_tables import (CITYSCAPES_CLASSES, CITYSCAPES_COLOURS, CITYSCAPES_LABELS,  # noqa: F401
+                                       CITYSCAPES_TABLE_IGNORE)
 from syncseg.data.transforms import IGNORE_INDEX
 
-TABLE_IGNORE = 255  # the official tables' trainId for labels left out of training and evaluation
+TABLE_IGNORE = CITYSCAPES_TABLE_IGNORE
+NUM_LABEL_IDS = len(CITYSCAPES_LABELS)  # raw labelIds 0..33 (license plate, -1, never appears in the PNGs)
 
-# (labelId, trainId, name, color) for every labelId 0..33; trainId 255 = ignored in training/evaluation.
-_LABELS = (
-    (0, 255, "unlabeled", (0, 0, 0)),
-    (1, 255, "ego vehicle", (0, 0, 0)),
-    (2, 255, "rectification border", (0, 0, 0)),
-    (3, 255, "out of roi", (0, 0, 0)),
-    (4, 255, "static", (0, 0, 0)),
-    (5, 255, "dynamic", (111, 74, 0)),
-    (6, 255, "ground", (81, 0, 81)),
-    (7, 0, "road", (128, 64, 128)),
-    (8, 1, "sidewalk", (244, 35, 232)),
-    (9, 255, "parking", (250, 170, 160)),
-    (10, 255, "rail track", (230, 150, 140)),
-    (11, 2, "building", (70, 70, 70)),
-    (12, 3, "wall", (102, 102, 156)),
-    (13, 4, "fence", (190, 153, 153)),
-    (14, 255, "guard rail", (180, 165, 180)),
-    (15, 255, "bridge", (150, 100, 100)),
-    (16, 255, "tunnel", (150, 120, 90)),
-    (17, 5, "pole", (153, 153, 153)),
-    (18, 255, "polegroup", (153, 153, 153)),
-    (19, 6, "traffic light", (250, 170, 30)),
-    (20, 7, "traffic sign", (220, 220, 0)),
-    (21, 8, "vegetation", (107, 142, 35)),
-    (22, 9, "terrain", (152, 251, 152)),
-    (23, 10, "sky", (70, 130, 180)),
-    (24, 11, "person", (220, 20, 60)),
-    (25, 12, "rider", (255, 0, 0)),
-    (26, 13, "car", (0, 0, 142)),
-    (27, 14, "truck", (0, 0, 70)),
-    (28, 15, "bus", (0, 60, 100)),
-    (29, 255, "caravan", (0, 0, 90)),
-    (30, 255, "trailer", (0, 0, 110)),
-    (31, 16, "train", (0, 80, 100)),
-    (32, 17, "motorcycle", (0, 0, 230)),
-    (33, 18, "bicycle", (119, 11, 32)),
-)
-NUM_LABEL_IDS = len(_LABELS)  # raw labelIds 0..33 (license plate, -1, never appears in the PNGs)
-
-CITYSCAPES_CLASSES = tuple(name for _, train_id, name, _ in _LABELS if train_id != TABLE_IGNORE)
-CITYSCAPES_PALETTE = np.array([color for _, train_id, _, color in _LABELS if train_id != TABLE_IGNORE],
-                              dtype=np.uint8)
-
+CITYSCAPES_PALETTE = np.array(CITYSCAPES_COLOURS, dtype=np.uint8)
 
 
 def _lookup_tables() -> tuple[np.ndarray, np.ndarray]:
     label_to_train = np.full(256, TABLE_IGNORE, dtype=np.uint8)
     train_to_label = np.zeros(256, dtype=np.uint8)  # anything that is not a trainId -> 0 (unlabeled)
-    for label_id, train_id, _, _ in _LABELS:
+    for label_id, train_id, _, _ in CITYSCAPES_LABELS:
         label_to_train[label_id] = train_id
         if train_id != TABLE_IGNORE:
             train_to_label[train_id] = label_id
@@ -133,3 +94,9 @@ class CityscapesSegmentation(SegmentationDataset):
             num_raw_labels=NUM_LABEL_IDS,
             description=f"Cityscapes {split} ({self.root})",
         )
+
+
+def build_cityscapes(data_cfg: Any, split: str, transform: Transform) -> CityscapesSegmentation:
+    """data.dataset=cityscapes: `split` of a validated `data` config section, read through `transform`."""
+    return CityscapesSegmentation(data_cfg.root, split, ignore_index=data_cfg.ignore_index, transform=transform,
+                                  skip_bad_samples=data_cfg.skip_bad_samples, **mask_encoding(data_cfg))

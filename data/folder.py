@@ -14,10 +14,11 @@ else split "all" takes every image in images/.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, mask_encoding
 from syncseg.data.images import ImageFormat
+from syncseg.data.palettes import bit_palette
 from syncseg.data.transforms import IGNORE_INDEX
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -93,3 +94,12 @@ class FolderSegmentation(SegmentationDataset):
             description=f"folder {split} ({self.root})",
             image_format=image_format,
         )
+
+
+def build_folder(data_cfg: Any, split: str, transform: Transform) -> FolderSegmentation:
+    """data.dataset=folder: `split` of a validated `data` config section, read through `transform`."""
+    return FolderSegmentation(data_cfg.root, split, num_classes=data_cfg.num_classes,
+                              class_names=tuple(data_cfg.class_names), ignore_index=data_cfg.ignore_index,
+                              transform=transform, skip_bad_samples=data_cfg.skip_bad_samples,
+                              reduce_zero_label=data_cfg.reduce_zero_label, image_format=ImageFormat.of(data_cfg),
+                              **mask_encoding(data_cfg))

@@ -22,11 +22,8 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+from syncseg.data.constants import MAX_8BIT, RGB_CHANNELS
 from syncseg.data.masks import BadSampleError
-
-RGB_CHANNELS = 3  # data.in_channels' default
-MAX_CHANNELS = 128  # data.in_channels' limit: cv2 (resize, flip: the augmentations) refuses images of more
-MAX_8BIT, MAX_16BIT = 255, 65535  # data.max_value's default and its largest value
 
 _IMAGE_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # masks ignore EXIF too
 _JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"

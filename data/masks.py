@@ -22,11 +22,10 @@ import cv2
 import numpy as np
 from PIL import Image
 
-IGNORE = "ignore"  # the target of a data.label_map / data.class_colors entry for unlabeled pixels
+from syncseg.data.constants import IGNORE, LabelTarget
+
 INDEX_MODES = ("P", "L", "I", "I;16")  # single-channel PIL modes read as raw values
 MAX_LISTED = 10  # values or colours quoted in one message
-
-LabelTarget = int | str  # a class index, or IGNORE
 
 
 class BadSampleError(ValueError):

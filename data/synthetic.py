@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable
+from typing import Any, Callable
 
 import cv2
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from syncseg.data.base import bit_palette
+from syncseg.data.label_tables import SHAPE_NAMES, SYNTHETIC_CLASSES, SYNTHETIC_DEFAULT_NUM_CLASSES
+from syncseg.data.palettes import bit_palette
 from syncseg.data.transforms import IGNORE_INDEX, to_tensors
 
-SHAPE_NAMES = ("disc", "rectangle", "triangle", "ring", "cross", "star", "hexagon")
-DEFAULT_NUM_CLASSES = 6  # background + the first five shapes
-MAX_CLASSES = len(SHAPE_NAMES) + 1
+DEFAULT_NUM_CLASSES = SYNTHETIC_DEFAULT_NUM_CLASSES
+MAX_CLASSES = len(SYNTHETIC_CLASSES)
 MIN_IMAGE_SIZE = 16  # smaller images leave shapes of a pixel or two
 
 _MIN_SHAPES, _MAX_SHAPES = 1, 4
@@ -185,7 +185,7 @@ class SyntheticShapes(Dataset):
         self.seed = seed
         self.split = split
         self.transform = transform
-        self.classes = ("background",) + SHAPE_NAMES[: num_classes - 1]
+        self.classes = SYNTHETIC_CLASSES[:num_classes]
         self.palette = bit_palette(num_classes)
         sample_bytes = 4 * image_size * image_size  # RGB + mask, uint8
         self._renders: dict[int, tuple[np.ndarray, np.ndarray]] | None = (
@@ -225,3 +225,18 @@ class SyntheticShapes(Dataset):
         if self.transform is None:
             return to_tensors(image, mask)
         return self.transform(image, mask)
+
+
+def build_synthetic(data_cfg: Any, split: str, transform: Transform) -> SyntheticShapes:
+    """data.dataset=synthetic: `split` of a validated `data` config section (the training split has
+    data.synthetic_train_size samples, any other data.synthetic_val_size), through `transform`."""
+    is_train_split = split == data_cfg.train_split
+    return SyntheticShapes(
+        data_cfg.synthetic_train_size if is_train_split else data_cfg.synthetic_val_size,
+        data_cfg.synthetic_image_size,
+        num_classes=data_cfg.num_classes or DEFAULT_NUM_CLASSES,
+        seed=data_cfg.seed,
+        split=split,
+        ignore_index=data_cfg.ignore_index,
+        transform=transform,
+    )

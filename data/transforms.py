@@ -22,23 +22,9 @@ import numpy as np
 import torch
 from albumentations.core.transforms_interface import DualTransform
 
-from syncseg.data.images import MAX_8BIT
+from syncseg.data.constants import IGNORE_INDEX, MAX_8BIT, height_width
 
 logger = logging.getLogger(__name__)
-
-# The defaults of data.ignore_index, data.mean and data.std (syncseg/engine/config/schema.py reads them from here).
-IGNORE_INDEX = 255
-IMAGENET_MEAN = (0.485, 0.456, 0.406)  # 0-1 units (x / data.max_value), RGB
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def height_width(size: int | Sequence[int]) -> tuple[int, int]:
-    """(height, width) of a pixel size given as one integer (a square) or as a pair."""
-    if isinstance(size, int):
-        return size, size
-    height, width = size
-    return int(height), int(width)
-
 
 class RandomScaleCrop(DualTransform):
     """Random rescale by s ~ U(scale_range), pad to `crop_size` (bottom/right), random `crop_size` crop.

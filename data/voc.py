@@ -10,15 +10,13 @@ Layout under `root` (a `VOC2012` folder; a `VOCdevkit` folder holding one works 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, bit_palette
+from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, mask_encoding
+from syncseg.data.label_tables import VOC_CLASSES
+from syncseg.data.palettes import bit_palette
 from syncseg.data.transforms import IGNORE_INDEX
 
-VOC_CLASSES = (
-    "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
-    "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor",
-)
 VOC_PALETTE = bit_palette(len(VOC_CLASSES))
 AUG_SPLIT = "train_aug"
 VOC_VOID = 255  # the annotations' value for object boundaries and unlabeled pixels (read as the ignore label)
@@ -92,3 +90,9 @@ class VOCSegmentation(SegmentationDataset):
             class_colors=class_colors,
             description=f"VOC {split} ({list_file})",
         )
+
+
+def build_voc(data_cfg: Any, split: str, transform: Transform) -> VOCSegmentation:
+    """data.dataset=voc: `split` of a validated `data` config section, read through `transform`."""
+    return VOCSegmentation(data_cfg.root, split, ignore_index=data_cfg.ignore_index, transform=transform,
+                           skip_bad_samples=data_cfg.skip_bad_samples, **mask_encoding(data_cfg))

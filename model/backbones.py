@@ -35,7 +35,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 from urllib.parse import urlparse
 
 import torch
@@ -45,21 +45,11 @@ from torchvision.models.resnet import BasicBlock, ResNet
 
 from syncseg.model.input_channels import RGB, adapt_input_channels
 from syncseg.model.norm import NormLayer
+from syncseg.model.registry import BACKBONES
 from syncseg.model.timm_encoder import build_timm_backbone, timm_model_name
+from syncseg.registry import load_object
 
 logger = logging.getLogger(__name__)
-
-# torchvision weight enums whose ImageNet checkpoints the backbones accept (V1: the classic recipes,
-# the ones torchvision's own DeepLabV3 builders use).
-IMAGENET_WEIGHTS = {
-    "resnet18": "ResNet18_Weights.IMAGENET1K_V1",
-    "resnet34": "ResNet34_Weights.IMAGENET1K_V1",
-    "resnet50": "ResNet50_Weights.IMAGENET1K_V1",
-    "resnet101": "ResNet101_Weights.IMAGENET1K_V1",
-    "mobilenet_v2": "MobileNet_V2_Weights.IMAGENET1K_V1",
-    "mobilenet_v3_large": "MobileNet_V3_Large_Weights.IMAGENET1K_V1",
-}
-
 
 class ResNetBackbone(nn.Module):
     """The convolutional part of a torchvision ResNet (no avgpool / fc); module names equal torchvision's."""
@@ -136,7 +126,8 @@ def _dilate_basic_stage(stage: nn.Sequential, *, previous_dilation: int, dilatio
 _DILATED_STAGES = {32: [False, False, False], 16: [False, False, True], 8: [False, True, True]}
 
 
-def _build_resnet(name: str, *, output_stride: int, norm_layer: NormLayer) -> ResNetBackbone:
+def build_resnet(name: str, *, output_stride: int, norm_layer: NormLayer) -> ResNetBackbone:
+    """torchvision's ResNet `name` (resnet18/34/50/101) at `output_stride`."""
     dilate = _DILATED_STAGES[output_stride]
     constructor = getattr(torchvision.models, name)
     if name in ("resnet18", "resnet34"):
@@ -155,7 +146,8 @@ def _spatial_convs(block: nn.Module) -> list[nn.Conv2d]:
     return [module for module in block.modules() if isinstance(module, nn.Conv2d) and module.kernel_size[0] > 1]
 
 
-def _build_mobilenet_v2(*, output_stride: int, norm_layer: NormLayer) -> MobileNetBackbone:
+def build_mobilenet_v2(name: str, *, output_stride: int, norm_layer: NormLayer) -> MobileNetBackbone:
+    """torchvision's MobileNetV2 without its last 1x1 conv, at `output_stride` (`name`: its registered name)."""
     network = torchvision.models.mobilenet_v2(weights=None, norm_layer=norm_layer)
     blocks = list(network.features)[:-1]  # without the 1x1 conv to 1280 channels
     strided = [i for i, block in enumerate(blocks) if any(c.stride == (2, 2) for c in _spatial_convs(block))]
@@ -172,7 +164,8 @@ def _build_mobilenet_v2(*, output_stride: int, norm_layer: NormLayer) -> MobileN
     return MobileNetBackbone(blocks, low_level_index=strided[2] - 1, aux_index=strided[4] - 1)
 
 
-def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> MobileNetBackbone:
+def build_mobilenet_v3_large(name: str, *, output_stride: int, norm_layer: NormLayer) -> MobileNetBackbone:
+    """torchvision's MobileNetV3-Large at `output_stride` (`name`: its registered name)."""
     # torchvision's MobileNetV3 BatchNorm settings (eps 1e-3, momentum 0.01) are part of the pretrained recipe.
     norm = functools.partial(norm_layer, eps=0.001, momentum=0.01)
     network = torchvision.models.mobilenet_v3_large(weights=None, norm_layer=norm)
@@ -192,23 +185,6 @@ def _build_mobilenet_v3_large(*, output_stride: int, norm_layer: NormLayer) -> M
             for conv in _spatial_convs(backbone[index]):
                 _dilate_conv(conv, dilation)
     return backbone
-
-
-# backbone name -> constructor(output_stride=, norm_layer=); the names are syncseg.engine.config's model.backbone choices
-_CONSTRUCTORS: dict[str, Callable[..., nn.Module]] = {
-    "resnet18": functools.partial(_build_resnet, "resnet18"),
-    "resnet34": functools.partial(_build_resnet, "resnet34"),
-    "resnet50": functools.partial(_build_resnet, "resnet50"),
-    "resnet101": functools.partial(_build_resnet, "resnet101"),
-    "mobilenet_v2": _build_mobilenet_v2,
-    "mobilenet_v3_large": _build_mobilenet_v3_large,
-}
-
-
-def backbone_names() -> tuple[str, ...]:
-    """The torchvision backbones this module builds (a test checks they equal the config's choices; timm
-    encoders are named `timm:<name>`)."""
-    return tuple(_CONSTRUCTORS)
 
 
 def build_backbone(name: str, *, output_stride: int, norm_layer: NormLayer, pretrained: str = "none",
@@ -233,7 +209,7 @@ def _build_rgb_backbone(name: str, *, output_stride: int, norm_layer: NormLayer,
     if timm_name is not None:
         return build_timm_backbone(timm_name, output_stride=output_stride, norm_layer=norm_layer,
                                    pretrained=pretrained)
-    backbone = _CONSTRUCTORS[name](output_stride=output_stride, norm_layer=norm_layer)
+    backbone = load_object(BACKBONES.get(name).build)(name, output_stride=output_stride, norm_layer=norm_layer)
     if pretrained in ("", "none"):
         return backbone
     if pretrained == "imagenet":
@@ -256,13 +232,17 @@ def imagenet_weights_file(name: str) -> Path:
     That is where torchvision itself caches it (`$TORCH_HOME/hub/checkpoints`, by default
     ~/.cache/torch/hub/checkpoints). Raises FileNotFoundError naming the file and the folder when absent.
     """
-    weights = torchvision.models.get_weight(IMAGENET_WEIGHTS[name])
+    enum_name = BACKBONES.get(name).imagenet_weights
+    if not enum_name:
+        raise ValueError(f"model.pretrained_backbone=imagenet: backbone '{name}' names no torchvision ImageNet "
+                         "weights; give the path to a state dict file or model.pretrained_backbone=none")
+    weights = torchvision.models.get_weight(enum_name)
     file_name = os.path.basename(urlparse(weights.url).path)
     folder = Path(torch.hub.get_dir()) / "checkpoints"
     path = folder / file_name
     if not path.is_file():
         raise FileNotFoundError(
-            f"ImageNet weights for backbone '{name}' ({IMAGENET_WEIGHTS[name]}) not found: expected the file "
+            f"ImageNet weights for backbone '{name}' ({enum_name}) not found: expected the file "
             f"'{file_name}' in '{folder}' (set TORCH_HOME to change the folder). Nothing is downloaded at run "
             f"time: fetch {weights.url} on a machine with network access and copy it there, or set "
             "model.pretrained_backbone=none"

@@ -20,27 +20,27 @@ from syncseg.model.deeplab import DeepLab
 from syncseg.model.heads import DeepLabV3Head, DeepLabV3PlusHead, FCNHead, aspp_rates_for
 from syncseg.model.input_channels import RGB
 from syncseg.model.norm import NormLayer, norm_layers
+from syncseg.model.registry import HEADS
 from syncseg.model.sync_batchnorm import name_synchronized_layers
+from syncseg.registry import load_object
 
 logger = logging.getLogger(__name__)
 
 
-def _build_deeplabv3_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
-                          norm_layer: NormLayer, *, dropout: float) -> nn.Module:
+def build_deeplabv3_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
+                         norm_layer: NormLayer, *, dropout: float) -> nn.Module:
+    """model.arch=deeplabv3: ASPP on the backbone's `out` features."""
     return DeepLabV3Head(backbone.out_channels, num_classes, atrous_rates=rates, channels=channels,
                          norm_layer=norm_layer, dropout=dropout)
 
 
-def _build_deeplabv3plus_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
-                              norm_layer: NormLayer, *, dropout: float) -> nn.Module:
+def build_deeplabv3plus_head(backbone: nn.Module, num_classes: int, rates: tuple[int, ...], channels: int,
+                             norm_layer: NormLayer, *, dropout: float) -> nn.Module:
+    """model.arch=deeplabv3plus: ASPP plus the decoder that also reads the `low_level` features."""
     return DeepLabV3PlusHead(
         backbone.out_channels, num_classes, low_level_channels=backbone.low_level_channels, atrous_rates=rates,
         channels=channels, norm_layer=norm_layer, dropout=dropout,
     )
-
-
-# model.arch -> head constructor; the names are syncseg.engine.config's model.arch choices
-HEADS = {"deeplabv3": _build_deeplabv3_head, "deeplabv3plus": _build_deeplabv3plus_head}
 
 
 def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB,
@@ -70,7 +70,8 @@ def build_model(model_cfg: Any, num_classes: int, *, in_channels: int = RGB,
         pretrained=str(model_cfg.pretrained_backbone or "none"),
         in_channels=in_channels,
     )
-    classifier = HEADS[arch](backbone, num_classes, rates, channels, head_norm, dropout=model_cfg.aspp_dropout)
+    build_head = load_object(HEADS.get(arch))
+    classifier = build_head(backbone, num_classes, rates, channels, head_norm, dropout=model_cfg.aspp_dropout)
     aux_classifier = FCNHead(backbone.aux_channels, num_classes, norm_layer=head_norm) if model_cfg.aux_loss else None
     if channels_last is None:
         channels_last = model_cfg.channels_last is True

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
+from syncseg.model.registry import NORMS
 from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d, adopt_norm_state
+from syncseg.registry import load_object
 
 
 class NormLayer(Protocol):
@@ -43,27 +45,20 @@ def _frozen(num_channels: int, *, eps: float = 1e-5, momentum: float = 0.1) -> n
     return FrozenBatchNorm2d(num_channels, eps=eps)
 
 
-# kind -> (backbone norm, head norm); the kinds are syncseg.engine.config's `model.norm` choices
-_LAYERS: dict[str, tuple[Callable[..., nn.Module], Callable[..., nn.Module]]] = {
-    "syncbn": (_synchronized, _synchronized),
-    "bn": (_batch_norm, _batch_norm),
-    "frozen_bn": (_frozen, _synchronized),
-}
+# (backbone norm, head norm) of each model.norm kind (syncseg.model.registry.NORMS names them)
+SYNCBN_LAYERS = (_synchronized, _synchronized)
+BN_LAYERS = (_batch_norm, _batch_norm)
+FROZEN_BN_LAYERS = (_frozen, _synchronized)
 
 
 def norm_layers(kind: str) -> tuple[NormLayer, NormLayer]:
     """(backbone norm layer, head norm layer) for `model.norm` = `kind` (validated by the config)."""
-    return _LAYERS[kind]
-
-
-def norm_kinds() -> tuple[str, ...]:
-    """The kinds this factory builds (a test checks they equal the config's choices)."""
-    return tuple(_LAYERS)
+    return load_object(NORMS.get(kind))
 
 
 def synchronizes_statistics(kind: str) -> bool:
     """Whether a model built with `kind` has BatchNorm layers that reduce over devices and processes."""
-    return any(layer is _synchronized for layer in _LAYERS[kind])
+    return any(layer is _synchronized for layer in norm_layers(kind))
 
 
 class _ThenDropAndActivation:

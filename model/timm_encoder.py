@@ -31,9 +31,10 @@ from urllib.parse import urlparse
 import torch
 from torch import Tensor, nn
 
+from syncseg.model.registry import TIMM_PREFIX
+
 logger = logging.getLogger(__name__)
 
-TIMM_PREFIX = "timm:"  # model.backbone values with this prefix name a timm encoder (syncseg.engine.config checks the form)
 
 
 def timm_model_name(backbone: str) -> str | None:

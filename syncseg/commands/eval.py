@@ -112,18 +112,19 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
     import numpy as np
 
     from syncseg.data import palette_image
-    from syncseg.data.ade20k import CLASS_TO_RAW
-    from syncseg.data.cityscapes import TRAINID_TO_LABELID
+    from syncseg.data.registry import dataset_kind
     from syncseg.engine.visualize import save_png
+    from syncseg.registry import load_object
 
     color_dir, label_dir = output_dir / "color", output_dir / "labels"
     with writing("predictions under", output_dir):  # before the evaluation, not after it
         color_dir.mkdir(parents=True, exist_ok=True)
         label_dir.mkdir(parents=True, exist_ok=True)
     batches = list(loader.batch_sampler)  # the shard's indices, in the order the loader yields them
-    palette = np.asarray(dataset.palette, dtype=np.uint8)
-    # the benchmark servers' raw label values: Cityscapes labelIds, ADE20K 1..150
-    to_label_ids = {"cityscapes": TRAINID_TO_LABELID, "ade20k": CLASS_TO_RAW}.get(config.data.dataset)
+    kind = dataset_kind(config.data.dataset)
+    palette = kind.palette_for(len(dataset.classes))
+    # the benchmark servers' raw label values (Cityscapes labelIds, ADE20K 1..150); None: the class indices
+    to_label_ids = load_object(kind.benchmark_labels) if kind.benchmark_labels else None
 
     def save_batch(batch_index: int, predictions: Any, masks: Any) -> None:
         for index, prediction in zip(batches[batch_index], predictions.numpy().astype(np.uint8)):

@@ -26,11 +26,12 @@ import logging
 import sys
 from pathlib import Path
 
+from syncseg.engine.registry import EXPORT_FORMATS  # plain Python
+
 # torch and the engine are imported after the arguments are parsed, so that --help answers at once.
 
 logger = logging.getLogger("export")
 
-FORMAT_CHOICES = ("onnx", "torchscript", "exported", "safetensors")  # syncseg.engine.export_formats.FORMATS (a test keeps them equal)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "against PyTorch.",
         epilog="Example: python scripts/export.py --checkpoint runs/demo/best.pt --format onnx --size 96,96")
     parser.add_argument("--checkpoint", required=True, help="a .pt file written by train.py (best.pt or last.pt)")
-    parser.add_argument("--format", required=True, choices=FORMAT_CHOICES,
-                        help="onnx (torch.onnx dynamo exporter), torchscript (traced), exported (torch.export "
-                             ".pt2 program) or safetensors (the weights with config and classes as metadata, "
-                             "for a release; eval.py, predict.py and model.init_checkpoint read it)")
+    parser.add_argument("--format", required=True, choices=EXPORT_FORMATS.names(),
+                        help="; ".join(f"{name} ({entry.description})" for name, entry in EXPORT_FORMATS.items()))
     parser.add_argument("--size", metavar="H,W",
                         help="height,width of the sample the model is exported and checked with (default: the "
                              "checkpoint's data.crop_size); the file accepts other sizes too")

@@ -32,7 +32,6 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 # The engine is imported after the arguments are parsed, so that --help answers at once.
 
@@ -88,18 +87,6 @@ def find_images(path: Path) -> list[tuple[Path, Path]]:
     return [(image, image.relative_to(path).with_suffix("")) for image in images]
 
 
-def palette_for(dataset: str, num_classes: int) -> Any:
-    """The dataset's palette without opening the dataset (its files may not exist here)."""
-    from syncseg.data import bit_palette
-
-    if dataset == "cityscapes":
-        from syncseg.data.cityscapes import CITYSCAPES_PALETTE
-
-        if len(CITYSCAPES_PALETTE) == num_classes:
-            return CITYSCAPES_PALETTE
-    return bit_palette(num_classes)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Predict as the command line says; returns the exit status (syncseg/engine/cli.py)."""
     from syncseg.engine.cli import TIME_FORMAT, CommandFailed, run_command
@@ -132,6 +119,7 @@ def run(args: argparse.Namespace) -> Outcome:
     import torch
 
     from syncseg.data import BadSampleError, palette_image
+    from syncseg.data.registry import dataset_kind
     from syncseg.data.images import ImageFormat, display_rgb, read_image
     from syncseg.engine.cli import writing
     from syncseg.engine.devices import inference_device
@@ -152,7 +140,8 @@ def run(args: argparse.Namespace) -> Outcome:
                                   flags={"eval.mode": args.mode, "eval.scales": args.scales, "eval.flip": args.flip,
                                          "eval.amp": args.amp})
     config, classes, model = loaded.config, loaded.classes, loaded.model
-    palette = np.asarray(palette_for(config.data.dataset, len(classes)), dtype=np.uint8)
+    # the kind's colours, without opening the dataset (its files may not exist here)
+    palette = dataset_kind(config.data.dataset).palette_for(len(classes))
     base_size = config.data.base_size
     eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
     uncoloured = background_indices(classes)

@@ -34,7 +34,6 @@ from syncseg.model.sync_batchnorm import revert_model
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("onnx", "torchscript", "exported", "safetensors")
 # the default file name's ending; safetensors' is required (syncseg.engine.checkpoint.is_safetensors_name), the others'
 # are not: the loaders are told the format (load_runner), not the name
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "exported": ".pt2", "safetensors": SAFETENSORS_SUFFIX}
@@ -145,7 +144,8 @@ def export_model(module: LogitsModel, fmt: str, path: Path, *, sample: torch.Ten
         dims = model_proto.graph.input[0].type.tensor_type.shape.dim
         return ", ".join(f"{name} {'dynamic' if dim.dim_param else dim.dim_value}"
                          for name, dim in zip(("batch", "channels", "height", "width"), dims))
-    raise ValueError(f"unknown export format {fmt!r}; expected one of {', '.join(FORMATS[:3])}")
+    raise ValueError(f"export_model: format {fmt!r} is not one of onnx, torchscript, exported (safetensors files "
+                     "are written by syncseg.engine.checkpoint.save_safetensors)")
 
 
 def load_runner(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:

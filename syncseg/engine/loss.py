@@ -22,10 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from syncseg.engine.distributed import all_reduce_sum
-from syncseg.engine.loss_terms import IMAGES, PIXELS, dice_terms, focal_terms, lovasz_terms
-
-# train.loss name -> what its loss sum is divided by (syncseg.engine.config.schema.LOSS_TERMS names the same)
-NORMALIZED_BY = {"ce": PIXELS, "focal": PIXELS, "dice": IMAGES, "lovasz": IMAGES}
+from syncseg.engine.loss_terms import TermInputs
+from syncseg.engine.registry import IMAGES, LOSS_TERMS, PIXELS
+from syncseg.registry import load_object
 
 
 def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
@@ -57,8 +56,9 @@ class SegmentationLoss(nn.Module):
     ) -> None:
         super().__init__()
         self.loss_terms = tuple((name, float(weight)) for name, weight in terms)
+        self.term_entries = {name: LOSS_TERMS.get(name) for name, _ in self.loss_terms}
         # the normalizers target_weight computes, in order (one per kind of reduction in use)
-        self.normalizers = tuple(dict.fromkeys(NORMALIZED_BY[name] for name, _ in self.loss_terms))
+        self.normalizers = tuple(dict.fromkeys(entry.normalized_by for entry in self.term_entries.values()))
         self.focal_gamma = focal_gamma
         self.ignore_index = ignore_index
         weights = torch.tensor(list(class_weights), dtype=torch.float32) if class_weights else None
@@ -87,18 +87,9 @@ class SegmentationLoss(nn.Module):
                 raise ValueError(f"mask value {bad} is not a class index in 0..{num_classes - 1} "
                                  f"nor ignore_index={self.ignore_index}")
         pixel_weight = weights[safe_target] * valid if weights is not None else valid.to(logits.dtype)
-        terms = {}
-        for name, _ in self.loss_terms:
-            if name == "ce":
-                terms[name] = self.cross_entropy_terms(logits, target, weights, valid, safe_target, pixel_weight)
-            elif name == "focal":
-                terms[name] = focal_terms(logits, safe_target, pixel_weight, gamma=self.focal_gamma)
-            elif name == "dice":
-                terms[name] = dice_terms(logits, safe_target, valid)
-            else:
-                assert name == "lovasz", name  # syncseg.engine.config.schema.validate checks the names
-                terms[name] = lovasz_terms(logits, safe_target, valid)
-        return terms
+        inputs = TermInputs(logits=logits, target=target, safe_target=safe_target, valid=valid,
+                            pixel_weight=pixel_weight, class_weights=weights)
+        return {name: load_object(entry.compute)(self, inputs) for name, entry in self.term_entries.items()}
 
     def cross_entropy_terms(self, logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None,
                             valid: torch.Tensor, safe_target: torch.Tensor,
@@ -166,7 +157,8 @@ class SegmentationLoss(nn.Module):
             all_reduce_sum(weights)
         else:  # every head shares the target, hence its normalizers
             step_weight = step_weight.detach().to(target.device).float().reshape(len(self.normalizers))
-            weights = torch.stack([step_weight[self.normalizers.index(NORMALIZED_BY[name])] for _, name in terms])
+            weights = torch.stack([step_weight[self.normalizers.index(self.term_entries[name].normalized_by)]
+                                   for _, name in terms])
         term_weights = dict(self.loss_terms)
         total = torch.zeros((), device=target.device)
         for ((head, name), (loss_sum, _)), weight in zip(terms.items(), weights):

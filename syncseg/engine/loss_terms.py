@@ -18,10 +18,44 @@ Inputs: logits N x C x H x W (float32 or float64), `target` N x H x W with ignor
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-PIXELS, IMAGES = "pixels", "images"  # what a term's loss sum is divided by (over the global batch)
+
+@dataclass(frozen=True)
+class TermInputs:
+    """What every loss term of one head gets (syncseg.engine.registry.LOSS_TERMS' `compute(loss, inputs)`)."""
+
+    logits: torch.Tensor  # N x C x H x W, float32 or float64
+    target: torch.Tensor  # N x H x W, the ignore label where unlabeled
+    safe_target: torch.Tensor  # target with ignored pixels replaced by 0
+    valid: torch.Tensor  # N x H x W bool: not ignored
+    pixel_weight: torch.Tensor  # each pixel's class weight (train.class_weights; 1 without), 0 where ignored
+    class_weights: torch.Tensor | None  # C values, or None
+
+
+def cross_entropy_term(loss: Any, inputs: TermInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """train.loss `ce`: SegmentationLoss.cross_entropy_terms (class weights and OHEM are the loss's)."""
+    return loss.cross_entropy_terms(inputs.logits, inputs.target, inputs.class_weights, inputs.valid,
+                                    inputs.safe_target, inputs.pixel_weight)
+
+
+def focal_term(loss: Any, inputs: TermInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """train.loss `focal`, with the loss's train.focal_gamma."""
+    return focal_terms(inputs.logits, inputs.safe_target, inputs.pixel_weight, gamma=loss.focal_gamma)
+
+
+def dice_term(loss: Any, inputs: TermInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """train.loss `dice`."""
+    return dice_terms(inputs.logits, inputs.safe_target, inputs.valid)
+
+
+def lovasz_term(loss: Any, inputs: TermInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """train.loss `lovasz`."""
+    return lovasz_terms(inputs.logits, inputs.safe_target, inputs.valid)
 
 
 def focal_terms(logits: torch.Tensor, safe_target: torch.Tensor, pixel_weight: torch.Tensor, *,

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from syncseg.data import IGNORE_COLOR, palette_table
 from syncseg.data.images import display_rgb
+from syncseg.data.palettes import IGNORE_COLOR, palette_table
+from syncseg.data.registry import dataset_kind
 from syncseg.engine.atomic import write_atomically
 from syncseg.engine.inference import predict_batch
 
@@ -119,7 +120,7 @@ def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int]
     (syncseg.engine.inference.predict_batch with `eval_cfg`, in eval mode; the model's mode is restored), under
     column titles and above a legend of the class colours and the ignore colour. Images other than 8-bit
     RGB are drawn by syncseg.data.images.display_rgb."""
-    palette = np.asarray(dataset.palette, dtype=np.uint8)
+    palette = dataset_kind(data_cfg.dataset).palette_for(len(dataset.classes))
     ignore_index = int(getattr(dataset, "ignore_index", data_cfg.ignore_index))
     rows = []
     was_training = model.training

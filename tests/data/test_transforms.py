@@ -12,7 +12,7 @@ from syncseg.data.transforms import (
     build_train_transform,
     normalize_batch,
 )
-from syncseg.data.images import MAX_CHANNELS
+from syncseg.data.constants import MAX_CHANNELS
 from syncseg.engine.config import DataConfig
 from syncseg.engine.seeding import worker_init
 

@@ -9,7 +9,6 @@ import torch
 
 from syncseg.engine.config import load_config
 from syncseg.engine.export_formats import (
-    FORMATS,
     TOLERANCE,
     LogitsModel,
     MissingRuntimeError,
@@ -89,9 +88,3 @@ def test_onnx_without_onnxruntime_is_a_clear_message(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
     with pytest.raises(MissingRuntimeError, match=r"onnxruntime is not installed.*written but not checked.*pip install"):
         load_runner("onnx", tmp_path / "m.onnx")
-
-
-def test_formats_match_the_cli_choices():
-    from syncseg.commands.export import FORMAT_CHOICES
-
-    assert FORMAT_CHOICES == FORMATS

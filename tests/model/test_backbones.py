@@ -9,12 +9,8 @@ import torchvision
 from torch import nn
 
 from syncseg.engine.config import choices
-from syncseg.model.backbones import (
-    IMAGENET_WEIGHTS,
-    ResNetBackbone,
-    build_backbone,
-    imagenet_weights_file,
-)
+from syncseg.model.backbones import ResNetBackbone, build_backbone, imagenet_weights_file
+from syncseg.model.registry import BACKBONES
 
 
 def _randomize_batchnorm(module: nn.Module, seed: int = 0) -> None:
@@ -140,7 +136,7 @@ def test_mobilenet_output_stride_8_dilates_two_stages():
 
 def _fake_imagenet_file(name, torch_home, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(torch_home))
-    weights = torchvision.models.get_weight(IMAGENET_WEIGHTS[name])
+    weights = torchvision.models.get_weight(BACKBONES.get(name).imagenet_weights)
     folder = torch_home / "hub" / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(1)

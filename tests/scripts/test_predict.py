@@ -261,3 +261,33 @@ def test_an_unwritable_output_names_the_path_before_loading_the_model(checkpoint
                                 "--output", str(out), "--device", "cpu"]) == 1
     assert _error_lines(capsys) == [f"predict.py: error: could not write masks and overlays under '{out}': "
                                     "Not a directory"]
+
+
+@pytest.mark.parametrize("dataset,module,palette_name", [
+    ("ade20k", "syncseg.data.ade20k", "ADE20K_PALETTE"),
+    ("cityscapes", "syncseg.data.cityscapes", "CITYSCAPES_PALETTE"),
+])
+def test_masks_and_the_legend_take_the_checkpoints_dataset_palette(dataset, module, palette_name, tmp_path):
+    """The colours are the data set kind's (syncseg.data.registry), as eval.py and the training grid use;
+    ADE20K predictions were once drawn in VOC's colours."""
+    from syncseg.model.builder import build_model
+
+    expected = getattr(importlib.import_module(module), palette_name)
+    config = load_config(None, [*TINY, f"data.dataset={dataset}"])
+    path = tmp_path / "best.pt"
+    torch.manual_seed(0)
+    model = build_model(config.model, len(expected))
+    save_checkpoint(path, {"format_version": FORMAT_VERSION, "model": model.state_dict(), "config": to_dict(config),
+                           "classes": [f"class {i}" for i in range(len(expected))], "iteration": 1})
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    out = tmp_path / "out"
+    assert _load_script().main(["--checkpoint", str(path), "--input", str(tmp_path / "a.png"), "--output", str(out),
+                                "--legend"]) == 0
+    with Image.open(out / "a_mask.png") as mask:
+        colours = np.array(mask.getpalette(), dtype=np.uint8).reshape(-1, 3)
+        labels = np.array(mask)
+    assert np.array_equal(colours[: len(expected)], expected)
+    overlay = np.array(Image.open(out / "a_overlay.png").convert("RGB"), dtype=np.int64)
+    photo = np.array(Image.open(tmp_path / "a.png").convert("RGB"), dtype=np.int64)
+    label = labels[20, 20]
+    assert np.abs(overlay[20, 20] - (photo[20, 20] + expected[label]) / 2).max() <= 1  # --alpha 0.5 of its colour

@@ -19,9 +19,7 @@ from syncseg.engine.config.io import (
 )
 from syncseg.engine.config.schema import (
     CONFIG_DIR,
-    FIXED_CLASS_DATASETS,
     SECTIONS,
-    SYNTHETIC_MAX_CLASSES,
     Config,
     DataConfig,
     DistConfig,
@@ -38,7 +36,7 @@ from syncseg.engine.config.schema import (
 )
 
 __all__ = [
-    "CONFIG_DIR", "FIXED_CLASS_DATASETS", "RENAMED_KEYS", "SECTIONS", "SYNTHETIC_MAX_CLASSES", "Config",
+    "CONFIG_DIR", "RENAMED_KEYS", "SECTIONS", "Config",
     "DataConfig", "DistConfig", "EvalConfig", "Limit", "ModelConfig", "Precision", "SquareIfOne", "TrainConfig",
     "all_keys", "build_config", "choices", "config_yaml", "field_types", "flatten", "from_dict",
     "inference_config", "load_config", "parse_overrides", "read_yaml", "resolve_config_path", "save_config",

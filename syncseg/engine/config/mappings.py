@@ -10,7 +10,7 @@ import re
 import typing
 from typing import Annotated, Any, Mapping
 
-from syncseg.data import IGNORE
+from syncseg.data.constants import IGNORE
 from syncseg.engine.config.schema import ColourToClass, ValueToClass, WeightedTerms
 
 MAPPING_TYPE_NAMES = {

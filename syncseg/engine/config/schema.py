@@ -1,8 +1,11 @@
 """The configuration schema: frozen dataclasses, and the one place every allowed value and limit is stated.
 
-Choices are `Literal` annotations; numeric limits are `Limit`s attached to their fields; rules that
-involve several fields are in `validate()`. Builders and datasets receive validated sections and do
-not check them again. Reading YAML, the `base:` chain, command-line overrides and the dict round trip
+Fixed choices are `Literal` annotations; the values of an extension point (data.dataset, model.backbone,
+model.arch, model.norm, train.loss's names) are its registry's (syncseg/registry.py), checked when a config
+is validated, so a kind registered by the user's code is accepted; numeric limits are `Limit`s attached to
+their fields; rules that involve several fields are in `validate()` (the data section's, which depend on
+the data set kind, in syncseg/engine/config/data_rules.py). Builders and datasets receive validated
+sections and do not check them again. Reading YAML, the `base:` chain, command-line overrides and the dict round trip
 live in syncseg/engine/config/io.py.
 """
 from __future__ import annotations
@@ -13,11 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from syncseg.data import FIXED_NUM_CLASSES, IGNORE
-from syncseg.data.images import MAX_16BIT, MAX_8BIT, MAX_CHANNELS, RGB_CHANNELS
-from syncseg.data.masks import LabelTarget
-from syncseg.data.transforms import IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, height_width
-from syncseg.model.timm_encoder import TIMM_PREFIX
+# light modules only (plain Python): importing the schema imports neither torch nor cv2 nor albumentations
+from syncseg.data.constants import (IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, MAX_8BIT, MAX_16BIT, MAX_CHANNELS,
+                                    RGB_CHANNELS, LabelTarget, height_width)
+from syncseg.data.registry import DATASET_KINDS
+from syncseg.engine.config.data_rules import check_data_for_its_kind
+from syncseg.engine.registry import LOSS_TERMS
+from syncseg.model.registry import BACKBONES, HEADS, NORMS
+from syncseg.registry import Registry
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -49,9 +55,9 @@ def _limited(default: Any, limit: Limit) -> Any:
     return field(default=default, metadata={"limit": limit})
 
 
-def _or_prefixed(default: Any, prefix: str, meaning: str) -> Any:
-    """A Literal field that also takes `<prefix><name>` (any non-empty name), e.g. model.backbone=timm:<name>."""
-    return field(default=default, metadata={"prefix": prefix, "prefix_meaning": meaning})
+def _registered(default: str, registry: Registry) -> Any:
+    """A field whose values are the names in `registry` (and its families, e.g. model.backbone=timm:<name>)."""
+    return field(default=default, metadata={"registry": registry})
 
 
 @dataclass(frozen=True)
@@ -85,21 +91,17 @@ class WeightedTerms:
 
 LabelMap = Annotated[tuple[tuple[int, LabelTarget], ...], ValueToClass()]
 ClassColors = Annotated[tuple[tuple[tuple[int, int, int], LabelTarget], ...], ColourToClass()]
-LossTerms = Annotated[tuple[tuple[str, float], ...], WeightedTerms()]
-# train.loss names (syncseg.engine.loss implements exactly these)
-LOSS_TERMS = ("ce", "dice", "focal", "lovasz")
+LossTerms = Annotated[tuple[tuple[str, float], ...], WeightedTerms()]  # names: syncseg.engine.registry.LOSS_TERMS
 
 
 _POSITIVE = Limit(ge=1)
 _NON_NEGATIVE = Limit(ge=0)
 _LABEL = Limit(ge=0, le=255)  # masks are 8-bit PNGs
-SYNTHETIC_MAX_CLASSES = 8  # background + syncseg.data.synthetic.SHAPE_NAMES (a test keeps the two equal)
-FIXED_CLASS_DATASETS = ("voc", "cityscapes", "ade20k")  # their class lists come with the dataset
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: Literal["voc", "cityscapes", "ade20k", "synthetic", "folder"] = "synthetic"
+    dataset: str = _registered("synthetic", DATASET_KINDS)  # a kind of syncseg.data.registry
     root: str = ""  # dataset root folder (unused by synthetic)
     # voc: train | train_aug; cityscapes: train; ade20k: training (= train); folder: a list-file stem or "all"
     train_split: str = "train"
@@ -111,7 +113,8 @@ class DataConfig:
     photometric: bool = False  # colour jitter + blur during training
     num_workers: int = _limited(4, _NON_NEGATIVE)
     ignore_index: int = _limited(IGNORE_INDEX, _LABEL)  # mask value that no loss or metric counts
-    num_classes: int = _limited(0, _LABEL)  # folder (required) / synthetic (2..8): class count; 0 = default
+    # class count of a kind without a class list of its own (folder: required; synthetic: 2..8); 0 = its default
+    num_classes: int = _limited(0, _LABEL)
     class_names: tuple[str, ...] = ()  # folder: optional names, len == num_classes
     skip_bad_samples: bool = False  # warn and skip unreadable / inconsistent samples instead of raising
     # mask encodings (docs/own-data.md); every file-backed dataset reads its masks through one table
@@ -134,14 +137,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: Literal["deeplabv3", "deeplabv3plus"] = "deeplabv3plus"
+    arch: str = _registered("deeplabv3plus", HEADS)  # syncseg.model.registry.HEADS
     # torchvision backbones, or timm:<name> for a timm encoder (model/timm_encoder.py checks the name)
-    backbone: Literal["resnet18", "resnet34", "resnet50", "resnet101", "mobilenet_v2", "mobilenet_v3_large"] = (
-        _or_prefixed("resnet50", TIMM_PREFIX, "a timm encoder"))
+    backbone: str = _registered("resnet50", BACKBONES)
     output_stride: Literal[8, 16, 32] = 16
     pretrained_backbone: str = "none"  # none | imagenet | path to a backbone state dict
     init_checkpoint: str = ""  # segmentation checkpoint to fine-tune from (classifier skipped on mismatch)
-    norm: Literal["syncbn", "bn", "frozen_bn"] = "syncbn"
+    norm: str = _registered("syncbn", NORMS)  # syncseg.model.registry.NORMS
     # under torchrun/srun, synchronized BatchNorm reduces within groups of this many consecutive ranks (e.g.
     # one node's GPUs); 0 = over all processes. The world size must be a multiple (syncseg.engine.distributed)
     syncbn_group_size: int = _limited(0, _NON_NEGATIVE)
@@ -173,7 +175,8 @@ class TrainConfig:
     amp: Precision = "auto"
     compile: bool = False  # torch.compile the model for training (one process per device; docs/training.md)
     aux_weight: float = _limited(0.4, _NON_NEGATIVE)
-    # weighted sum of LOSS_TERMS, each normalized over the global batch (syncseg/engine/loss.py), on every head
+    # weighted sum of syncseg.engine.registry.LOSS_TERMS, each normalized over the global batch
+    # (syncseg/engine/loss.py), on every head
     loss: LossTerms = (("ce", 1.0),)
     focal_gamma: float = _limited(2.0, _NON_NEGATIVE)  # focal: (1 - p)^gamma down-weights easy pixels
     class_weights: tuple[float, ...] = _limited((), _NON_NEGATIVE)  # () = unweighted; weigh ce and focal
@@ -250,8 +253,12 @@ def all_keys() -> list[str]:
 
 
 def choices(key: str) -> tuple[Any, ...]:
-    """The allowed values of a dotted key with a Literal type, e.g. choices("model.backbone")."""
+    """The allowed values of a dotted key with a Literal type or a registry (its registered names, now),
+    e.g. choices("model.backbone")."""
     section, _, name = key.partition(".")
+    registry = {item.name: item for item in dataclasses.fields(SECTIONS[section])}[name].metadata.get("registry")
+    if registry is not None:
+        return registry.names()
     annotation = field_types(SECTIONS[section])[name]
     if typing.get_origin(annotation) is not Literal:
         raise KeyError(f"config key {key} has no fixed choices")
@@ -262,12 +269,11 @@ def _check_fields(section_name: str, section: Any, source: str) -> None:
     types = field_types(type(section))
     for item in dataclasses.fields(section):
         key, value, annotation = f"{section_name}.{item.name}", getattr(section, item.name), types[item.name]
-        prefix = item.metadata.get("prefix")
-        prefixed = prefix is not None and isinstance(value, str) and value.startswith(prefix) and value != prefix
-        if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation) and not prefixed:
+        registry = item.metadata.get("registry")
+        if registry is not None and value not in registry:
+            raise ValueError(f"{source}: {registry.unknown(value)}")
+        if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation):
             allowed = ", ".join(map(str, typing.get_args(annotation)))
-            if prefix is not None:
-                allowed += f", or {prefix}<name> ({item.metadata['prefix_meaning']})"
             raise ValueError(f"{source}: {key}={value!r} is not one of {allowed}")
         limit = item.metadata.get("limit")
         values = value if isinstance(value, tuple) else (value,)
@@ -299,91 +305,19 @@ def validate(config: Config, *, source: str = "config") -> None:
         raise ValueError(f"{source}: train.ohem with train.accumulate={train.accumulate}: OHEM picks its pixels and "
                          "its normalizer from each forward pass, so the accumulated gradient would not be the global "
                          "batch's; use train.accumulate=1 (a smaller train.batch_size) or train.ohem=false")
-    if data.dataset in FIXED_CLASS_DATASETS and data.num_classes:
-        raise ValueError(f"{source}: data.num_classes={data.num_classes} but dataset '{data.dataset}' has a fixed "
-                         "class list; leave data.num_classes at 0 (or use dataset 'folder' for a custom label set)")
-    if data.dataset == "folder" and data.num_classes < 1:
-        raise ValueError(f"{source}: dataset 'folder' needs data.num_classes (1 to 255), the number of classes "
-                         "in its masks")
-    if data.dataset == "synthetic" and data.num_classes and not 2 <= data.num_classes <= SYNTHETIC_MAX_CLASSES:
-        raise ValueError(f"{source}: data.num_classes={data.num_classes}: the synthetic dataset has 2 to "
-                         f"{SYNTHETIC_MAX_CLASSES} classes (0 = its default)")
-    if data.class_names and len(data.class_names) != data.num_classes:
-        raise ValueError(f"{source}: data.class_names has {len(data.class_names)} names but "
-                         f"data.num_classes={data.num_classes}")
-    _check_mask_encodings(data, source)
-    _check_image_format(data, source)
+    check_data_for_its_kind(data, source)
     _check_loss(train, source)
-
-
-def _colour(rgb: tuple[int, int, int]) -> str:
-    return ",".join(map(str, rgb))
-
-
-def _check_mask_encodings(data: DataConfig, source: str) -> None:
-    if data.dataset == "synthetic":
-        used = [key for key, value in (("data.label_map", data.label_map), ("data.class_colors", data.class_colors),
-                                       ("data.reduce_zero_label", data.reduce_zero_label)) if value]
-        if used:
-            raise ValueError(f"{source}: {used[0]} is set but the synthetic dataset has no mask files to read; use "
-                             "data.dataset=folder (or voc, cityscapes, ade20k)")
-        return
-    if data.reduce_zero_label and data.dataset != "folder":
-        raise ValueError(f"{source}: data.reduce_zero_label is for dataset 'folder' (dataset '{data.dataset}' reads "
-                         "its masks its own way; ade20k already reduces them); use data.label_map to change them")
-    if data.reduce_zero_label and data.num_classes >= data.ignore_index:
-        raise ValueError(f"{source}: data.reduce_zero_label reads raw values 1..{data.num_classes} as classes, which "
-                         f"reaches data.ignore_index={data.ignore_index}; use a smaller data.num_classes or another "
-                         "data.ignore_index")
-    if data.class_colors and (data.label_map or data.reduce_zero_label):
-        other = "data.label_map" if data.label_map else "data.reduce_zero_label"
-        raise ValueError(f"{source}: data.class_colors and {other} are both set: colour-coded masks get their classes "
-                         f"from data.class_colors alone; remove {other}")
-    num_classes = FIXED_NUM_CLASSES.get(data.dataset, data.num_classes)
-    expected = f"a class index 0..{num_classes - 1} (dataset '{data.dataset}' has {num_classes} classes) or {IGNORE}"
-    raws = [raw for raw, _ in data.label_map]
-    for raw, target in data.label_map:
-        if not 0 <= raw <= 255:
-            raise ValueError(f"{source}: data.label_map has the raw value {raw}; masks are 8-bit, values 0..255")
-        if raws.count(raw) > 1:
-            raise ValueError(f"{source}: data.label_map lists the raw value {raw} twice")
-        if target != IGNORE and not 0 <= target < num_classes:
-            raise ValueError(f"{source}: data.label_map maps {raw} to {target}; expected {expected}")
-    colours = [rgb for rgb, _ in data.class_colors]
-    for rgb, target in data.class_colors:
-        if len(rgb) != 3 or not all(0 <= part <= 255 for part in rgb):
-            raise ValueError(f"{source}: data.class_colors has the colour {_colour(rgb)}; expected R,G,B, each 0..255")
-        if colours.count(rgb) > 1:
-            raise ValueError(f"{source}: data.class_colors lists the colour {_colour(rgb)} twice")
-        if target != IGNORE and not 0 <= target < num_classes:
-            raise ValueError(f"{source}: data.class_colors maps {_colour(rgb)} to {target}; expected {expected}")
-
-
-def _check_image_format(data: DataConfig, source: str) -> None:
-    rgb8 = data.in_channels == RGB_CHANNELS and data.max_value <= MAX_8BIT
-    shown = f"data.in_channels={data.in_channels} and data.max_value={data.max_value}"
-    if not rgb8 and data.dataset != "folder":
-        raise ValueError(f"{source}: {shown}: images other than 8-bit RGB are read by dataset 'folder'; dataset "
-                         f"'{data.dataset}' has 8-bit RGB images (data.in_channels=3, data.max_value=255)")
-    if not rgb8 and data.photometric:
-        raise ValueError(f"{source}: data.photometric (colour jitter and blur) works on 8-bit RGB images, not on "
-                         f"these ({shown}); set data.photometric=false")
-    for key, values in (("data.mean", data.mean), ("data.std", data.std)):
-        if len(values) != data.in_channels:
-            default = " (ImageNet's RGB values, the default)" if values in (IMAGENET_MEAN, IMAGENET_STD) else ""
-            raise ValueError(f"{source}: {key} has {len(values)} value(s){default} but data.in_channels="
-                             f"{data.in_channels}; give one value per channel, in units of data.max_value "
-                             "(scripts/verify_dataset.py prints them)")
 
 
 def _check_loss(train: TrainConfig, source: str) -> None:
     names = [name for name, _ in train.loss]
     if not names:
-        raise ValueError(f"{source}: train.loss is empty; give at least one of {', '.join(LOSS_TERMS)} "
+        raise ValueError(f"{source}: train.loss is empty; give at least one of {LOSS_TERMS.describe()} "
                          "(e.g. train.loss=ce:1)")
     for name, weight in train.loss:
         if name not in LOSS_TERMS:
-            raise ValueError(f"{source}: train.loss names '{name}', which is not one of {', '.join(LOSS_TERMS)}")
+            raise ValueError(f"{source}: train.loss names '{name}', which is not one of {LOSS_TERMS.describe()}"
+                             f"{LOSS_TERMS.suggestion(name)}")
         if names.count(name) > 1:
             raise ValueError(f"{source}: train.loss lists '{name}' twice; give each loss once, with its weight")
         if not weight > 0:
@@ -392,6 +326,7 @@ def _check_loss(train: TrainConfig, source: str) -> None:
     if train.ohem and "ce" not in names:
         raise ValueError(f"{source}: train.ohem selects the hard pixels of the ce loss, but train.loss "
                          f"({','.join(names)}) has no ce; add ce or set train.ohem=false")
-    if train.class_weights and not {"ce", "focal"} & set(names):
-        raise ValueError(f"{source}: train.class_weights weigh the ce and focal losses, but train.loss "
-                         f"({','.join(names)}) has neither; add one or leave train.class_weights empty")
+    weighing = [name for name, term in LOSS_TERMS.items() if term.weighs_classes]
+    if train.class_weights and not set(weighing) & set(names):
+        raise ValueError(f"{source}: train.class_weights weigh the {' and '.join(weighing)} losses, but train.loss "
+                         f"({','.join(names)}) has none of them; add one or leave train.class_weights empty")
