@@ -89,9 +89,9 @@ class Predictor:
     @property
     def palette(self) -> np.ndarray:
         """num_classes x 3 uint8: the colours eval.py and predict.py draw the classes in."""
-        from syncseg.commands.predict import palette_for
+        from syncseg.data.registry import dataset_kind
 
-        return np.asarray(palette_for(self.config.data.dataset, len(self.classes)), dtype=np.uint8)
+        return np.asarray(dataset_kind(self.config.data.dataset).palette_for(len(self.classes)), dtype=np.uint8)
 
     def predict(self, image: np.ndarray | str | Path) -> np.ndarray:
         """Class indices H x W (int64) for one image: an H x W x C array (uint8, or uint16 for 16-bit data;

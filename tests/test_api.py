@@ -65,6 +65,9 @@ def test_load_model_predicts_as_predict_py_and_a_float64_recomputation(checkpoin
     Image.fromarray(image).save(tmp_path / "photo.png")
     predictor = syncseg.load_model(path)
     assert predictor.classes == ["background", "a", "b", "c"] and predictor.iteration == 7
+    from syncseg.data.registry import dataset_kind
+
+    assert np.array_equal(predictor.palette, dataset_kind(config.data.dataset).palette_for(4))
     from_array = predictor.predict(image)
     assert from_array.shape == (37, 45) and from_array.dtype == np.int64
     assert np.array_equal(predictor.predict(tmp_path / "photo.png"), from_array)

@@ -270,15 +270,10 @@ def test_an_unwritable_output_names_the_path_before_loading_the_model(checkpoint
 def test_masks_and_the_legend_take_the_checkpoints_dataset_palette(dataset, module, palette_name, tmp_path):
     """The colours are the data set kind's (syncseg.data.registry), as eval.py and the training grid use;
     ADE20K predictions were once drawn in VOC's colours."""
-    from syncseg.model.builder import build_model
-
     expected = getattr(importlib.import_module(module), palette_name)
-    config = load_config(None, [*TINY, f"data.dataset={dataset}"])
     path = tmp_path / "best.pt"
-    torch.manual_seed(0)
-    model = build_model(config.model, len(expected))
-    save_checkpoint(path, {"format_version": FORMAT_VERSION, "model": model.state_dict(), "config": to_dict(config),
-                           "classes": [f"class {i}" for i in range(len(expected))], "iteration": 1})
+    save_random_checkpoint(path, [*TINY, f"data.dataset={dataset}"], [f"class {i}" for i in range(len(expected))],
+                           seed=0, iteration=1)
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     out = tmp_path / "out"
     assert _load_script().main(["--checkpoint", str(path), "--input", str(tmp_path / "a.png"), "--output", str(out),
