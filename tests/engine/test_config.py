@@ -1,5 +1,6 @@
-"""The schema (syncseg.engine.config) and its reading and writing (syncseg.engine.config.io): the base chain, type
-conversion, overrides, the dict round trip, renamed keys, and every validation error."""
+"""The schema (syncseg.engine.config) and its reading and writing (syncseg.engine.config.io): type conversion,
+overrides, the dict round trip, renamed keys, and every validation error (files and the base chain:
+test_config_files.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,6 @@ from syncseg.engine.config import (
     inference_config,
     load_config,
     parse_overrides,
-    resolve_config_path,
     save_config,
     to_dict,
 )
@@ -40,49 +40,6 @@ def test_every_shipped_config_loads():
 
 
 # -------------------------------------------------------------------------------- files and bases
-def test_base_chain_merges_base_first_then_file_then_overrides(tmp_path):
-    write(tmp_path / "root.yaml", {"name": "root", "train": {"iters": 10, "lr": 0.5}, "data": {"crop_size": 64}})
-    write(tmp_path / "middle.yaml", {"base": "root.yaml", "train": {"iters": 20}, "model": {"backbone": "resnet18"}})
-    leaf = write(tmp_path / "leaf.yaml", {"base": "middle.yaml", "name": "leaf", "data": {"hflip": False}})
-    config = load_config(leaf, ["train.lr=0.25"])
-    assert config.name == "leaf"
-    assert config.train.iters == 20 and config.train.lr == 0.25  # middle over root; command line over all
-    assert config.data.crop_size == (64, 64) and config.data.hflip is False  # sections merge key by key
-    assert config.model.backbone == "resnet18" and config.model.arch == "deeplabv3plus"  # untouched default
-
-
-def test_base_may_name_a_shipped_config(tmp_path):
-    leaf = write(tmp_path / "mine.yaml", {"base": "demo.yaml", "train": {"iters": 3}})
-    config = load_config(leaf)
-    assert config.train.iters == 3 and config.name == "demo" and config.model.backbone == "resnet18"
-
-
-def test_circular_base_chain_is_an_error(tmp_path):
-    write(tmp_path / "a.yaml", {"base": "b.yaml"})
-    write(tmp_path / "b.yaml", {"base": "a.yaml"})
-    with pytest.raises(ValueError, match="circular 'base:' chain"):
-        load_config(str(tmp_path / "a.yaml"))
-
-
-def test_config_names_resolve_in_configs_folder_and_missing_ones_list_what_exists(tmp_path):
-    assert resolve_config_path("demo") == resolve_config_path("demo.yaml")
-    with pytest.raises(FileNotFoundError, match="nothere.yaml.*available: .*demo.yaml"):
-        resolve_config_path("nothere.yaml")
-
-
-@pytest.mark.parametrize("text,message", [
-    ("train: [1, 2\n", "not valid YAML"),
-    ("- 1\n- 2\n", "expected a mapping"),
-    ("train: 5\n", "'train' must be a mapping"),
-])
-def test_malformed_files_name_the_file(tmp_path, text, message):
-    path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    with pytest.raises(ValueError, match=message) as error:
-        load_config(str(path))
-    assert "bad.yaml" in str(error.value)
-
-
 # -------------------------------------------------------------------------------------- conversion
 def test_values_take_the_type_of_their_field():
     config = load_config(None, ["train.iters=200", "train.lr=1e-3", "data.scale_range=0.5,2.0", "data.hflip=no",
