@@ -11,6 +11,7 @@ live in syncseg/engine/config/io.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,6 +266,15 @@ def choices(key: str) -> tuple[Any, ...]:
     return typing.get_args(annotation)
 
 
+def _floats(value: Any) -> list[float]:
+    """Every float in a field's value, nested tuples (train.loss's (name, weight) pairs) included."""
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, tuple):
+        return [number for element in value for number in _floats(element)]
+    return []
+
+
 def _check_fields(section_name: str, section: Any, source: str) -> None:
     types = field_types(type(section))
     for item in dataclasses.fields(section):
@@ -275,6 +285,9 @@ def _check_fields(section_name: str, section: Any, source: str) -> None:
         if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation):
             allowed = ", ".join(map(str, typing.get_args(annotation)))
             raise ValueError(f"{source}: {key}={value!r} is not one of {allowed}")
+        if not all(math.isfinite(number) for number in _floats(value)):
+            # NaN compares false with every limit, and an infinity is no setting: neither may pass
+            raise ValueError(f"{source}: {key}={_shown(value)}: every number must be finite (not nan or inf)")
         limit = item.metadata.get("limit")
         values = value if isinstance(value, tuple) else (value,)
         if limit is not None and any(limit.violated_by(v) for v in values):
