@@ -38,10 +38,13 @@ def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
 
 
 def non_finite_error(what: str, *, iteration: int, run_dir: Path) -> FloatingPointError:
-    """The error that stops training at a non-finite loss or tensor (`what`), saving nothing."""
-    return FloatingPointError(
-        f"non-finite {what} at iteration {iteration}; stopping without saving. The last good checkpoint "
-        f"({run_dir / 'last.pt'}) was left untouched; lower train.lr, try train.amp=off, or check the data")
+    """The error that stops training at a non-finite loss or tensor (`what`), saving nothing; it says
+    whether a last good checkpoint exists (a run that fails at its first iterations has none)."""
+    last = run_dir / "last.pt"
+    kept = (f"The last good checkpoint ({last}) was left untouched" if last.is_file()
+            else f"No checkpoint was written yet ({last} does not exist)")
+    return FloatingPointError(f"non-finite {what} at iteration {iteration}; stopping without saving. {kept}; lower "
+                              "train.lr, try train.amp=off, or check the data")
 
 
 class Checkpointer:

@@ -303,3 +303,14 @@ def test_a_wrong_architecture_is_one_line_naming_file_and_both_architectures(tmp
     assert "classifier.to_logits.* (21 classes in the file, 6 in the model)" in record
     assert "aux_classifier.* (the model has no aux classifier" in record
     assert "not in the file (kept freshly initialized): none" in record
+
+
+def test_the_non_finite_line_says_whether_a_good_checkpoint_exists(tmp_path):
+    """A run that fails at iteration 1 has no last.pt: the line must not promise one (issue 34 item 4)."""
+    from syncseg.engine.checkpointer import non_finite_error
+
+    early = str(non_finite_error("loss", iteration=1, run_dir=tmp_path))
+    assert "No checkpoint was written yet" in early and "left untouched" not in early
+    (tmp_path / "last.pt").write_bytes(b"saved")
+    later = str(non_finite_error("loss", iteration=9, run_dir=tmp_path))
+    assert f"The last good checkpoint ({tmp_path / 'last.pt'}) was left untouched" in later
