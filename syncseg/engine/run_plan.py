@@ -52,6 +52,12 @@ class RunDirLock:
         self._file: Any = None
 
     def acquire(self) -> "RunDirLock":
+        for folder in (self.run_dir, *self.run_dir.parents):  # a file in the way is bad input, not a failure
+            if folder.exists():
+                if not folder.is_dir():
+                    raise ValueError(f"run dir '{self.run_dir}': '{folder}' is a file, not a folder; set output_dir= "
+                                     "to a folder (it is created if missing)")
+                break
         self.run_dir.mkdir(parents=True, exist_ok=True)
         file = open(self.path, "a+")
         try:

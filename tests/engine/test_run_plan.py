@@ -99,3 +99,13 @@ def test_dist_timeout_comes_from_the_file_the_overrides_or_the_checkpoint(tmp_pa
     assert dist_timeout(None, str(tmp_path / "last.pt"), []) == 45.0
     assert dist_timeout(None, str(tmp_path / "missing.pt"), []) == 300.0  # plan_run reports the missing file
     assert torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)["run_id"] == "run-a"
+
+
+@pytest.mark.parametrize("where", ["run", "run/inner"])
+def test_a_run_dir_that_is_or_lies_under_a_file_is_bad_input(tmp_path, where):
+    """output_dir pointing at a file was exit 1 with "rank 0: File exists" (issue 34 item 4): now a
+    ValueError (exit 2) naming the file in the way, and the file is left as it was."""
+    (tmp_path / "run").write_text("notes")
+    with pytest.raises(ValueError, match=rf"'{tmp_path / 'run'}' is a file, not a folder; set output_dir="):
+        RunDirLock(tmp_path / where).acquire()
+    assert (tmp_path / "run").read_text() == "notes"
