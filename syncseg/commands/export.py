@@ -70,7 +70,7 @@ def parse_size(text: str | None, default: tuple[int, int]) -> tuple[int, int]:
 def check_output_name(fmt: str, output: Path) -> None:
     """ValueError when `output`'s name would make the file misread: the loaders (eval.py, predict.py,
     model.init_checkpoint) take a file for safetensors by its suffix and for a torch.save file otherwise
-    (syncseg.engine.checkpoint.is_safetensors_name)."""
+    (syncseg.engine.checkpoint.is_safetensors_name), and torch.export files need '.pt2'."""
     from syncseg.engine.checkpoint import SAFETENSORS_SUFFIX, is_safetensors_name
     from syncseg.engine.export_formats import SUFFIXES
 
@@ -79,6 +79,10 @@ def check_output_name(fmt: str, output: Path) -> None:
             f"--format safetensors: --output '{output}' ends in '{output.suffix}', not '{SAFETENSORS_SUFFIX}'; "
             "eval.py, predict.py and model.init_checkpoint tell a safetensors file by that suffix and would not "
             f"read this one: use a {SAFETENSORS_SUFFIX} name, e.g. '{output.with_suffix(SAFETENSORS_SUFFIX)}'")
+    if fmt == "exported" and output.suffix != SUFFIXES[fmt]:
+        # torch.export.save warns and writes anyway, and torch.export.load then expects the suffix
+        raise ValueError(f"--format exported: --output '{output}' ends in '{output.suffix}', but torch.export "
+                         f"files must end in '{SUFFIXES[fmt]}': use e.g. '{output.with_suffix(SUFFIXES[fmt])}'")
     if fmt != "safetensors" and is_safetensors_name(output):
         raise ValueError(
             f"--format {fmt}: --output '{output}' ends in '{SAFETENSORS_SUFFIX}', which eval.py, predict.py and "

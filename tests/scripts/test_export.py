@@ -114,6 +114,8 @@ def test_a_full_disk_is_one_line_naming_the_file_and_an_earlier_export_there_sta
     ("safetensors", "release", "use a .safetensors name, e.g. '{folder}/release.safetensors'"),
     ("torchscript", "model.safetensors", "read as safetensors weights: use another name, e.g. "
                                          "'{folder}/model.torchscript.pt'"),
+    ("exported", "x.exported", "ends in '.exported', but torch.export files must end in '.pt2': use e.g. "
+                               "'{folder}/x.pt2'"),
 ])
 def test_a_name_the_loaders_would_misread_is_refused_before_anything_is_written(checkpoint, tmp_path, capsys,
                                                                                  monkeypatch, fmt, name, fragment):
