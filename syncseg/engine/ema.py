@@ -52,3 +52,21 @@ class ModelEMA:
             return
         logger.warning("train.ema_decay is on but the checkpoint has no averaged weights: averaging from here")
         self.module.load_state_dict(model.state_dict())
+
+
+def best_after_decay_change(saved_decay: float, decay: float, best_miou: float) -> float:
+    """The best mIoU a resumed run goes on comparing against when train.ema_decay differs from the
+    checkpoint's (`saved_decay`), saying so once: a changed decay goes on averaging with the new one; turning
+    averaging off resets the best (it was measured on the averaged weights, which validation no longer uses),
+    so the next validation of the plain weights writes best.pt."""
+    if decay == saved_decay:
+        return best_miou
+    if saved_decay > 0 and decay == 0:
+        logger.warning("train.ema_decay=0 on resuming a run that averaged its weights (train.ema_decay=%g): its best "
+                       "val mIoU %.4f was measured on the averaged weights, so the best is reset and the next "
+                       "validation of the plain weights writes best.pt", saved_decay, best_miou)
+        return -1.0
+    if saved_decay > 0:
+        logger.warning("train.ema_decay changed on resume from %g to %g: the average goes on with the new decay",
+                       saved_decay, decay)
+    return best_miou

@@ -25,6 +25,7 @@ from syncseg.engine.checkpointer import Checkpointer, non_finite_error
 from syncseg.engine.config import Config, from_dict, save_config, to_dict
 from syncseg.engine.devices import autocast_for
 from syncseg.engine.distributed import DistInfo, all_reduce_sum
+from syncseg.engine.ema import best_after_decay_change
 from syncseg.engine.evaluate import evaluate
 from syncseg.engine.optim import load_optimizer_state
 from syncseg.engine.precise_bn import precise_batch_norms
@@ -272,15 +273,18 @@ class Trainer:
         """Continue from a last.pt payload: weights, optimizer, schedule, scaler, iteration, best mIoU, RNG.
         The (possibly overridden) config decides the base LR and weight decay from here on."""
         parts = self.parts
+        saved = from_dict(state["config"])
         load_model_weights(self.model, state["model"], checkpoint=state.get("path", "resumed"),
-                           saved_model_cfg=from_dict(state["config"]).model, model_cfg=self.config.model)
+                           saved_model_cfg=saved.model, model_cfg=self.config.model)
         load_optimizer_state(self.optimizer, state["optimizer"])
         parts.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             parts.scaler.load_state_dict(state["scaler"])
         if parts.ema is not None:
             parts.ema.resume(state.get("ema"), self.model)
-        self.iteration, self.best_miou = int(state["iteration"]), float(state["best_miou"])
+        self.iteration = int(state["iteration"])
+        self.best_miou = best_after_decay_change(saved.train.ema_decay, self.config.train.ema_decay,
+                                                 float(state["best_miou"]))
         self.validation_due = bool(state.get("validation_due", False))
         self.checkpointer.restore_rng(state["rng"], reseed=mix_seed(self.config.train.seed, "train", self.dist.rank,
                                                                     self.iteration))

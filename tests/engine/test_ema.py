@@ -91,3 +91,36 @@ def test_the_average_shares_what_cannot_be_copied():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), SynchronizedBatchNorm2d(4))
     model[1].process_group = Group()
     assert ModelEMA(model, 0.9).module[1].process_group is model[1].process_group
+
+
+@pytest.mark.parametrize("saved,decay,expected,said", [
+    (0.5, 0.5, 0.4, None),
+    (0.5, 0.9, 0.4, "changed on resume from 0.5 to 0.9"),
+    (0.5, 0.0, -1.0, "best val mIoU 0.4000 was measured on the averaged weights, so the best is reset"),
+    (0.0, 0.0, 0.4, None),
+])
+def test_a_changed_decay_on_resume_is_said_and_turning_it_off_resets_the_best(saved, decay, expected, said, caplog):
+    """Issue 34 item 6: a changed decay was accepted without a word, and ema_decay=0 kept a best mIoU that was
+    measured on averaged weights validation no longer uses."""
+    from syncseg.engine.ema import best_after_decay_change
+
+    assert best_after_decay_change(saved, decay, 0.4) == expected
+    lines = [record.getMessage() for record in caplog.records]
+    assert (lines == []) if said is None else (len(lines) == 1 and said in lines[0])
+
+
+@pytest.mark.slow
+def test_resuming_with_averaging_off_writes_best_from_the_plain_weights(tmp_path):
+    common = ["train.iters=4", "train.val_interval=2", "train.ckpt_interval=2"]
+    first = Trainer.from_config(_config(tmp_path, "run", *common), DistInfo(), progress=False)
+    first.fit(stop_at=2)
+    first.close()
+    payload = load_checkpoint(tmp_path / "run" / "last.pt", required_keys=RESUME_KEYS)
+    second = Trainer.from_config(_config(tmp_path, "run", *common, "train.ema_decay=0"), DistInfo(), resume=payload,
+                                 progress=False)
+    assert second.best_miou == -1.0 and second.parts.ema is None
+    second.fit()
+    current = second.model.state_dict()
+    second.close()
+    best = load_checkpoint(tmp_path / "run" / "best.pt")
+    assert best["iteration"] == 4 and all(torch.equal(best["model"][name], current[name]) for name in current)
