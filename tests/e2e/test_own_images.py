@@ -85,8 +85,9 @@ def _run_commands(tmp_path, data_keys: list[str], image_path, export_format: str
         assert Image.open(tmp_path / "predicted" / f"{index}_overlay.png").mode == "RGB"
     export = importlib.import_module("syncseg.commands.export")
     # 0: written, and equal to PyTorch on the checkpoint's channel count (1: it does not match)
+    suffix = {"exported": "pt2"}.get(export_format, export_format)  # torch.export files end in .pt2
     assert export.main(["--checkpoint", str(run / "best.pt"), "--format", export_format, "--output",
-                        str(tmp_path / f"model.{export_format}")]) == 0
+                        str(tmp_path / f"model.{suffix}")]) == 0
     assert " error: " not in capsys.readouterr().err
     return metrics
 
@@ -120,5 +121,5 @@ def test_a_4_channel_png_dataset_trains_evaluates_predicts_and_exports(tmp_path,
     assert np.array_equal(read_image(tmp_path / "data" / "images" / "3.png", ImageFormat(channels=4)), bands[3])
     keys = [*_folder_keys(tmp_path / "data"), *PNG_KEYS]
     _run_commands(tmp_path, keys, tmp_path / "data" / "images" / "0.png", "exported", capsys)
-    program = torch.export.load(str(tmp_path / "model.exported")).module()
+    program = torch.export.load(str(tmp_path / "model.pt2")).module()
     assert program(torch.zeros(1, 4, SIZE, SIZE)).shape == (1, 2, SIZE, SIZE)

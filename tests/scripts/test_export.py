@@ -98,7 +98,9 @@ def test_a_missing_checkpoint_names_it(tmp_path, capsys):
 def test_a_full_disk_is_one_line_naming_the_file_and_an_earlier_export_there_stays(checkpoint, small_disk, fmt,
                                                                                    capsys):
     # the tiny model's ~45 MB of weights on a 4 MiB filesystem: every format's real writer runs out of space
-    output = small_disk / ("model.safetensors" if fmt == "safetensors" else f"model.{fmt}")
+    from syncseg.engine.export_formats import SUFFIXES
+
+    output = small_disk / f"model{SUFFIXES[fmt]}"
     output.write_bytes(b"an earlier export")
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output),
                            "--size", "32,32"]) == 1
