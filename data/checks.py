@@ -15,10 +15,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from syncseg.data.constants import NAMED_FILES
 from syncseg.data.images import ImageFormat, read_stored_image
 from syncseg.data.masks import BadSampleError
 
-NAMED_FILES = 3  # files quoted in one warning; the rest are counted
 FULL_SCALES = (1023, 4095, 16383, 65535)  # 10-, 12-, 14- and 16-bit data stored in 16-bit files
 
 

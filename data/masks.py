@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from syncseg.data.constants import IGNORE, LabelTarget
+from syncseg.data.constants import IGNORE, NAMED_FILES, LabelTarget
 
 INDEX_MODES = ("P", "L", "I", "I;16")  # single-channel PIL modes read as raw values
 MAX_LISTED = 10  # values or colours quoted in one message
@@ -249,10 +249,10 @@ def inspect_masks(paths: Sequence[str | os.PathLike], decoder: MaskDecoder, *, d
             report.bad.append(str(error))
             report.bad_paths.append(os.fspath(path))
     if paged:
-        more = f" and {len(paged) - 3} more" if len(paged) > 3 else ""
+        more = f" and {len(paged) - NAMED_FILES} more" if len(paged) > NAMED_FILES else ""
         report.warnings.append(
             f"{description}: {len(paged)} of the {len(paths)} masks checked hold more than one page or frame "
-            f"({', '.join(paged[:3])}{more}); only the first is read as the mask: save each "
+            f"({', '.join(paged[:NAMED_FILES])}{more}); only the first is read as the mask: save each "
             "mask as a single-page, single-frame file")
     if decoder.colour_coded or decoder.has_raw_table or decoder.label_map or decoder.reduce_zero_label:
         return report  # values read through a table: no guess at what a raw value means

@@ -127,7 +127,8 @@ class ChannelStats:
                 f"{ranges}")
 
 
-def print_image_formats(formats: dict[tuple[int, int], ChannelStats], data_cfg: Any, *, description: str) -> list[str]:
+def print_image_formats(formats: dict[tuple[int, int], ChannelStats], data_cfg: Any, *,
+                        description: str) -> list[str]:
     """Print the images' stored formats and the config lines of the most common one, and a WARNING for each
     format the config reads otherwise (syncseg.data.checks.image_format_warnings, as the start of training
     says it); returns the warnings."""
