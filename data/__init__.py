@@ -28,7 +28,7 @@ _LAZY = {
     "ADE20KSegmentation": "syncseg.data.ade20k", "CityscapesSegmentation": "syncseg.data.cityscapes",
     "FolderSegmentation": "syncseg.data.folder", "SyntheticShapes": "syncseg.data.synthetic",
     "VOCSegmentation": "syncseg.data.voc", "BadSampleError": "syncseg.data.masks",
-    "SegmentationDataset": "syncseg.data.base", "check_masks_at_start": "syncseg.data.base",
+    "SegmentationDataset": "syncseg.data.base", "check_data_at_start": "syncseg.data.base",
     "palette_image": "syncseg.data.base", "IGNORE_COLOR": "syncseg.data.palettes",
     "bit_palette": "syncseg.data.palettes", "palette_table": "syncseg.data.palettes",
     "build_dataset": "syncseg.data.registry", "normalize_batch": "syncseg.data.transforms",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -18,6 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from syncseg.data.checks import image_format_warnings, repeated_names_warning, stored_formats
 from syncseg.data.images import ImageFormat, read_image, read_stored_image
 from syncseg.data.masks import BadSampleError, LabelTarget, MaskDecoder, MaskSampleReport, inspect_masks, read_index_mask
 from syncseg.data.palettes import palette_table
@@ -62,6 +64,11 @@ class SegmentationDataset(Dataset):
     Any other raw value or colour makes a sample bad. A bad sample raises BadSampleError naming the
     file, or with `skip_bad_samples` logs a warning and yields the next good sample instead
     (`num_skipped` counts them in this process).
+
+    `listed_in` names the list file the samples come from (names listed twice there are a warning) and
+    `listing_warnings` are a subclass's findings about its files; both end in `listing_warnings`, which
+    check_data_at_start logs and verify_dataset prints (nothing is logged here: a dataset is built in
+    more places than the start of training).
     """
 
     def __init__(
@@ -82,6 +89,8 @@ class SegmentationDataset(Dataset):
         class_colors: Sequence[tuple[Sequence[int], LabelTarget]] = (),
         description: str = "dataset",
         image_format: ImageFormat = ImageFormat(),
+        listed_in: str | None = None,
+        listing_warnings: Sequence[str] = (),
     ) -> None:
         self.classes = tuple(classes)
         self.palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)
@@ -100,6 +109,9 @@ class SegmentationDataset(Dataset):
                                  num_raw_labels=num_raw_labels, label_map=label_map,
                                  reduce_zero_label=reduce_zero_label, class_colors=class_colors)
         self.samples = self._existing(list(samples))
+        repeated = None if listed_in is None else repeated_names_warning(
+            [Path(image).stem for image, _ in samples], description=description, listed_in=listed_in)
+        self.listing_warnings = [*listing_warnings, *([repeated] if repeated else [])]
 
     def _existing(self, samples: list[tuple[Path, Path]]) -> list[tuple[Path, Path]]:
         kept = []
@@ -157,11 +169,21 @@ class SegmentationDataset(Dataset):
             )
         return image, self.masks.to_labels(raw, mask_path)
 
+    def _spread(self, limit: int) -> list[int]:
+        """`limit` sample indices spread evenly over the split (all when limit <= 0)."""
+        count = len(self) if limit <= 0 else min(limit, len(self))
+        return np.unique(np.linspace(0, len(self) - 1, count).round().astype(int)).tolist() if count else []
+
     def inspect_masks(self, limit: int) -> MaskSampleReport:
         """syncseg.data.masks.inspect_masks on `limit` masks spread evenly over the split (all when limit <= 0)."""
-        count = len(self) if limit <= 0 else min(limit, len(self))
-        indices = np.unique(np.linspace(0, len(self) - 1, count).round().astype(int)) if count else []
-        return inspect_masks([self.samples[i][1] for i in indices], self.masks, description=self.description)
+        return inspect_masks([self.samples[i][1] for i in self._spread(limit)], self.masks,
+                             description=self.description)
+
+    def inspect_images(self, limit: int) -> list[str]:
+        """syncseg.data.checks.image_format_warnings for the same `limit` images as inspect_masks, read as their
+        files store them."""
+        formats = stored_formats(self.samples[i][0] for i in self._spread(limit))
+        return image_format_warnings(formats, self.image_format, description=self.description)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not -len(self) <= index < len(self):
@@ -184,17 +206,23 @@ class SegmentationDataset(Dataset):
         raise BadSampleError(f"{self.description}: every one of the {len(self)} samples is bad")
 
 
-START_CHECK_MASKS = 32  # masks per split that the start of training decodes: a second or so, even for Cityscapes
+START_CHECK_MASKS = 32  # samples per split that the start of training decodes: a second or so, even for Cityscapes
 
 
-def check_masks_at_start(dataset: Dataset, *, limit: int = START_CHECK_MASKS) -> MaskSampleReport | None:
-    """Decode `limit` masks of a file-backed dataset (SegmentationDataset.inspect_masks) before training, so
-    a bad mask or an encoding that would train wrong is found now, in the validation split too, not at
-    the first step or the first validation. Logs the warnings (binary 0/255 masks whose foreground is
-    the ignore label, ...); bad masks raise BadSampleError naming the file and, where it can tell, the
-    data.label_map that reads them, unless the dataset skips bad samples (then a warning)."""
+def check_data_at_start(dataset: Dataset, *, limit: int = START_CHECK_MASKS) -> MaskSampleReport | None:
+    """Look at a file-backed dataset before training, so that what would train wrong is said now, once, in
+    the validation split too, not at the first step or the first validation: its listing
+    (`listing_warnings`: names listed twice, two images of one name), `limit` images as stored
+    (inspect_images: 16-bit files read as 8-bit, fewer channels than data.in_channels) and the same
+    `limit` masks (inspect_masks: binary 0/255 masks whose foreground is the ignore label, multi-page
+    files, ...). Logs each warning once; bad masks raise BadSampleError naming the file and, where it can
+    tell, the data.label_map that reads them, unless the dataset skips bad samples (then a warning).
+    Returns the mask report with every warning logged in its `warnings`; None for generated data."""
     if not isinstance(dataset, SegmentationDataset):
         return None  # generated data: no files
+    warnings = [*dataset.listing_warnings, *dataset.inspect_images(limit)]
+    for warning in warnings:
+        logger.warning("%s", warning)
     report = dataset.inspect_masks(limit)
     if report.bad:
         problem = report.warnings[0] if report.fix else (
@@ -202,7 +230,7 @@ def check_masks_at_start(dataset: Dataset, *, limit: int = START_CHECK_MASKS) ->
         if not dataset.skip_bad_samples:
             raise BadSampleError(problem)
         logger.warning("%s; data.skip_bad_samples=true skips such samples", problem)
-        return report
+        return replace(report, warnings=[*warnings, *report.warnings])
     for warning in report.warnings:
         logger.warning("%s", warning)
-    return report
+    return replace(report, warnings=[*warnings, *report.warnings])

@@ -19,6 +19,9 @@ MAX_8BIT, MAX_16BIT = 255, 65535  # data.max_value's default and its largest val
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # 0-1 units (x / data.max_value), RGB
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
+# the start-up warnings (syncseg.data.checks, syncseg.data.masks): files quoted in one; the rest are counted
+NAMED_FILES = 3
+
 
 def height_width(size: int | Sequence[int]) -> tuple[int, int]:
     """(height, width) of a pixel size given as one integer (a square) or as a pair."""

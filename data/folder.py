@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from syncseg.data.base import LabelTarget, SegmentationDataset, Transform, mask_encoding
+from syncseg.data.checks import same_stem_warning
 from syncseg.data.images import ImageFormat
 from syncseg.data.palettes import bit_palette
 from syncseg.data.transforms import IGNORE_INDEX
@@ -28,8 +29,14 @@ LAYOUT = (
 )
 
 
-def _images_by_stem(folder: Path) -> dict[str, Path]:
-    return {p.stem: p for p in sorted(folder.iterdir()) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()}
+def _images_by_stem(folder: Path) -> tuple[dict[str, Path], dict[str, list[Path]]]:
+    """{name: image file} of the images in `folder`, and {name: its files} for the names that have more than
+    one (s000.jpg beside s000.png): the last file in sorted order is the one read."""
+    files: dict[str, list[Path]] = {}
+    for path in sorted(folder.iterdir()):
+        if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file():
+            files.setdefault(path.stem, []).append(path)
+    return {stem: paths[-1] for stem, paths in files.items()}, {s: p for s, p in files.items() if len(p) > 1}
 
 
 class FolderSegmentation(SegmentationDataset):
@@ -59,8 +66,10 @@ class FolderSegmentation(SegmentationDataset):
             if not folder.is_dir():
                 raise FileNotFoundError(f"folder dataset: '{folder}' not found; {LAYOUT}")
         list_file = self.root / f"{split}.txt"
+        listed_in = None
         if list_file.is_file():
-            available = _images_by_stem(image_dir)
+            available, clashes = _images_by_stem(image_dir)
+            listed_in = f"'{list_file}'"
             names = [Path(line.split()[0]).stem for line in list_file.read_text().splitlines() if line.strip()]
             unknown = [n for n in names if n not in available]
             if unknown and not skip_bad_samples:
@@ -70,9 +79,11 @@ class FolderSegmentation(SegmentationDataset):
                 )
             samples = [(available[n], mask_dir / f"{n}.png") for n in names if n in available]
         elif (image_dir / split).is_dir() and (mask_dir / split).is_dir():
-            samples = [(p, mask_dir / split / f"{s}.png") for s, p in _images_by_stem(image_dir / split).items()]
+            available, clashes = _images_by_stem(image_dir / split)
+            samples = [(p, mask_dir / split / f"{s}.png") for s, p in available.items()]
         elif split == "all":
-            samples = [(p, mask_dir / f"{s}.png") for s, p in _images_by_stem(image_dir).items()]
+            available, clashes = _images_by_stem(image_dir)
+            samples = [(p, mask_dir / f"{s}.png") for s, p in available.items()]
         else:
             raise FileNotFoundError(
                 f"folder dataset: split '{split}' not found: no '{list_file}' and no "
@@ -81,6 +92,9 @@ class FolderSegmentation(SegmentationDataset):
         if not samples:
             raise FileNotFoundError(f"folder dataset: split '{split}' under '{self.root}' has no images; {LAYOUT}")
         self.split = split
+        description = f"folder {split} ({self.root})"
+        used = {image.stem for image, _ in samples}  # a clash among images the split does not use is harmless
+        clash = same_stem_warning({s: p for s, p in clashes.items() if s in used}, description=description)
         super().__init__(
             samples,
             classes=tuple(class_names) or tuple(f"class_{i}" for i in range(num_classes)),
@@ -91,8 +105,10 @@ class FolderSegmentation(SegmentationDataset):
             label_map=label_map,
             reduce_zero_label=reduce_zero_label,
             class_colors=class_colors,
-            description=f"folder {split} ({self.root})",
+            description=description,
             image_format=image_format,
+            listed_in=listed_in,
+            listing_warnings=[clash] if clash else [],
         )
 
 

@@ -65,6 +65,37 @@ class ImageFormat:
         return self.channels == RGB_CHANNELS and self.dtype is np.uint8
 
 
+def _decode(data: np.ndarray, flags: int, path: str | os.PathLike) -> np.ndarray:
+    """cv2.imdecode of a file's bytes, or BadSampleError naming the file and, when Pillow can tell, why.
+
+    cv2's own log lines ('[ WARN:0@...] ... PNG input buffer is incomplete', '[ERROR:...]') are
+    switched off for the call: the user gets one line naming the file, not the library's guesses first.
+    The level is cv2's global one, restored afterwards (decodes run in one thread per process)."""
+    level = cv2.utils.logging.getLogLevel()
+    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+    try:
+        image = cv2.imdecode(data, flags) if data.size else None
+    finally:
+        cv2.utils.logging.setLogLevel(level)
+    if image is None:
+        raise BadSampleError(f"cannot read image '{path}' ({_why_unreadable(path) if data.size else 'empty file'})")
+    return image
+
+
+def _why_unreadable(path: str | os.PathLike) -> str:
+    """Pillow's reason a file cv2 could not decode is unreadable (it raises where cv2 only logs)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except UnidentifiedImageError:
+        return "not an image, or damaged at its start"
+    except (OSError, SyntaxError, ValueError) as error:
+        return f"damaged or truncated: {error}"
+    return "a format or variant cv2 does not decode"
+
+
 def _file_bytes(path: str | os.PathLike) -> np.ndarray:
     try:
         data = np.fromfile(os.fspath(path), dtype=np.uint8)
@@ -114,10 +145,7 @@ def read_stored_image(path: str | os.PathLike) -> np.ndarray:
     if _starts_as_tiff(path):  # tifffile reads the file itself: no second read of it into memory
         image = _tiff_bands_last(path)
     else:
-        data = _file_bytes(path)
-        image = cv2.imdecode(data, cv2.IMREAD_UNCHANGED) if data.size else None
-        if image is None:
-            raise BadSampleError(f"cannot read image '{path}' (empty, truncated or not an image)")
+        image = _decode(_file_bytes(path), cv2.IMREAD_UNCHANGED, path)
         if image.ndim == 2:
             image = image[..., None]
         elif image.shape[2] in (3, 4):  # cv2's BGR(A) -> the file's RGB(A)
@@ -141,12 +169,8 @@ def read_image(path: str | os.PathLike, image_format: ImageFormat = ImageFormat(
         image = read_stored_image(path)
         _check_format(image, path, image_format)
         return image
-    data = _file_bytes(path)
     flags = cv2.IMREAD_COLOR_RGB if exif_orientation else _IMAGE_READ_FLAGS
-    image = cv2.imdecode(data, flags) if data.size else None
-    if image is None:
-        raise BadSampleError(f"cannot read image '{path}' (empty, truncated or not an image)")
-    return image
+    return _decode(_file_bytes(path), flags, path)
 
 
 def _check_format(image: np.ndarray, path: str | os.PathLike, image_format: ImageFormat) -> None:

@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from syncseg.data.constants import IGNORE, LabelTarget
+from syncseg.data.constants import IGNORE, NAMED_FILES, LabelTarget
 
 INDEX_MODES = ("P", "L", "I", "I;16")  # single-channel PIL modes read as raw values
 MAX_LISTED = 10  # values or colours quoted in one message
@@ -214,12 +214,23 @@ class MaskSampleReport:
     fix: str = ""
 
 
+def mask_pages(path: str | os.PathLike) -> int:
+    """How many pages (TIFF) or frames (APNG, GIF) the mask file holds; masks are read from the first."""
+    try:
+        with Image.open(path) as image:
+            return int(getattr(image, "n_frames", 1))
+    except (OSError, SyntaxError, ValueError):
+        return 1  # unreadable: reading it says so
+
+
 def inspect_masks(paths: Sequence[str | os.PathLike], decoder: MaskDecoder, *, description: str) -> MaskSampleReport:
     """Decode every mask of `paths` and look at their raw values together: values outside the classes
-    that look grey-level-coded (a data.label_map suggestion), and binary 0/255 masks whose 255 is the
-    ignore label with two classes (the foreground would be ignored)."""
+    that look grey-level-coded (a data.label_map suggestion), binary 0/255 masks whose 255 is the ignore
+    label (the foreground would be ignored, with any data.num_classes), and files of several pages or
+    frames (only the first is read)."""
     report = MaskSampleReport(num_checked=len(paths))
     counts = np.zeros(256, dtype=np.int64)
+    paged = []
     for path in paths:
         try:
             raw = decoder.read_raw(path)
@@ -227,6 +238,9 @@ def inspect_masks(paths: Sequence[str | os.PathLike], decoder: MaskDecoder, *, d
             report.bad.append(str(error))
             report.bad_paths.append(os.fspath(path))
             continue
+        pages = mask_pages(path)
+        if pages > 1:
+            paged.append(f"'{os.fspath(path)}' ({pages} pages)")
         if not decoder.colour_coded:
             counts += np.bincount(raw.ravel(), minlength=256)
         try:
@@ -234,6 +248,12 @@ def inspect_masks(paths: Sequence[str | os.PathLike], decoder: MaskDecoder, *, d
         except BadSampleError as error:
             report.bad.append(str(error))
             report.bad_paths.append(os.fspath(path))
+    if paged:
+        more = f" and {len(paged) - NAMED_FILES} more" if len(paged) > NAMED_FILES else ""
+        report.warnings.append(
+            f"{description}: {len(paged)} of the {len(paths)} masks checked hold more than one page or frame "
+            f"({', '.join(paged[:NAMED_FILES])}{more}); only the first is read as the mask: save each "
+            "mask as a single-page, single-frame file")
     if decoder.colour_coded or decoder.has_raw_table or decoder.label_map or decoder.reduce_zero_label:
         return report  # values read through a table: no guess at what a raw value means
     present = np.flatnonzero(counts)
@@ -245,12 +265,14 @@ def inspect_masks(paths: Sequence[str | os.PathLike], decoder: MaskDecoder, *, d
             f"({len(report.bad)} bad, first '{report.bad_paths[0]}'), which skip classes (data.num_classes="
             f"{decoder.num_classes}): grey-level-coded? map them with data.label_map: {suggestion} in the config "
             f"(command line: data.label_map={report.fix})")
-    elif decoder.num_classes == 2 and set(present.tolist()) == {0, decoder.raw_ignore}:
-        report.fix = label_map_override({decoder.raw_ignore: 1})
+    elif set(present.tolist()) == {0, decoder.raw_ignore} and decoder.raw_ignore >= decoder.num_classes:
+        # with any class count: 0/255 masks with 3 classes trained the background alone and scored mIoU 1.0
+        ignore, classes = decoder.raw_ignore, decoder.num_classes
+        report.fix = label_map_override({ignore: 1}) + ("" if classes > 1 else " data.num_classes=2")
+        setting = f"data.label_map: {{{ignore}: 1}}" + ("" if classes > 1 else " and data.num_classes: 2")
         report.warnings.append(
-            f"{description}: the {len(paths)} masks checked hold only the values 0 and {decoder.raw_ignore}, and with "
-            f"data.num_classes=2 the value {decoder.raw_ignore} is data.ignore_index: those pixels are ignored, so the "
-            f"model never learns the foreground; if {decoder.raw_ignore} marks the foreground, set data.label_map: "
-            f"{{{decoder.raw_ignore}: 1}} in the config (command line: data.label_map={report.fix})")
+            f"{description}: the {len(paths)} masks checked hold only the values 0 and {ignore}, and with "
+            f"data.num_classes={classes} the value {ignore} is data.ignore_index: those pixels are ignored, so the "
+            f"model never learns the foreground; if {ignore} marks the foreground, set {setting} in the config "
+            f"(command line: data.label_map={report.fix})")
     return report
-

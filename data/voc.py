@@ -89,6 +89,7 @@ class VOCSegmentation(SegmentationDataset):
             label_map=label_map,
             class_colors=class_colors,
             description=f"VOC {split} ({list_file})",
+            listed_in=f"'{list_file}'",
         )
 
 

@@ -1,13 +1,15 @@
 """Check a dataset before training: sample counts, readable files, matching sizes, label ranges, and
 per-class pixel frequencies (with median-frequency class weights usable as train.class_weights). Like
 the start of training, it also looks at a sample of masks for encodings that train wrong (binary 0/255
-masks whose foreground is the ignore label, grey-level-coded classes) and prints the config that reads
-them (WARNING lines).
+masks whose foreground is the ignore label, grey-level-coded classes, multi-page files) and at the split's
+listing (names listed twice, two images of one name), and prints the config that reads them (WARNING
+lines: the start of training's warnings, from the same functions in syncseg.data.checks and
+syncseg.data.masks).
 
 The images are described as their files store them (channels, bit depth, value range), with the
 config lines that read them and normalize them by their own per-channel mean and std
 (data.in_channels, data.max_value, data.mean, data.std); a WARNING says when the config reads them
-otherwise (e.g. 16-bit or single-channel files read as 8-bit RGB).
+otherwise (e.g. 16-bit or 2-channel files read as 8-bit RGB), naming the files.
 
     python scripts/verify_dataset.py --config voc.yaml data.root=/data/VOCdevkit/VOC2012
     python scripts/verify_dataset.py --config cityscapes.yaml --splits val --workers 8 --output stats.json
@@ -66,13 +68,11 @@ class _Stats:
             except BadSampleError:
                 pass  # stored in a way only the RGB reader reads (e.g. a float TIFF): describe what training sees
         values = stored.reshape(-1, stored.shape[2]).astype(np.float64)
-        return {"index": index, "height": image.shape[0], "width": image.shape[1],
+        path = self.dataset.samples[index][0] if hasattr(self.dataset, "samples") else f"sample {index}"
+        return {"index": index, "path": str(path), "height": image.shape[0], "width": image.shape[1],
                 "counts": np.bincount(mask.ravel(), minlength=256),
                 "format": (stored.shape[2], 8 * stored.dtype.itemsize), "sum": values.sum(0),
                 "squares": np.square(values).sum(0), "min": values.min(0), "max": values.max(0)}
-
-
-FULL_SCALES = (1023, 4095, 16383, 65535)  # 10-, 12-, 14- and 16-bit data stored in 16-bit files
 
 
 class ChannelStats:
@@ -82,6 +82,7 @@ class ChannelStats:
         import numpy as np
 
         self.channels, self.bits, self.num_images, self.num_pixels = channels, bits, 0, 0
+        self.paths: list[str] = []
         self.sum, self.squares = np.zeros(channels), np.zeros(channels)
         self.low, self.high = np.full(channels, np.inf), np.full(channels, -np.inf)
 
@@ -89,6 +90,7 @@ class ChannelStats:
         import numpy as np
 
         self.num_images += 1
+        self.paths.append(item["path"])
         self.num_pixels += item["height"] * item["width"]
         self.sum += np.asarray(item["sum"])  # the loader hands the worker's arrays over as tensors
         self.squares += np.asarray(item["squares"])
@@ -96,10 +98,11 @@ class ChannelStats:
         self.high = np.maximum(self.high, np.asarray(item["max"]))
 
     def full_scale(self) -> int:
-        """255 for 8-bit files, else the smallest FULL_SCALES value that holds the largest value seen."""
-        if self.bits == 8:
-            return 255
-        return next((scale for scale in FULL_SCALES if self.high.max() <= scale), FULL_SCALES[-1])
+        """syncseg.data.checks.full_scale: 255 for 8-bit files, else the 10- to 16-bit full scale that holds the
+        largest value seen."""
+        from syncseg.data.checks import full_scale
+
+        return full_scale(self.bits, float(self.high.max()))
 
     def config(self) -> dict[str, Any]:
         """data.in_channels, max_value, mean and std (units of max_value) for these images, and the mean
@@ -124,30 +127,14 @@ class ChannelStats:
                 f"{ranges}")
 
 
-def format_warning(stats: ChannelStats, data_cfg: Any) -> str | None:
-    """What is wrong with reading images of `stats`' format with `data_cfg` (data.in_channels,
-    data.max_value), or None."""
-    reads = f"the config (data.in_channels={data_cfg.in_channels}, data.max_value={data_cfg.max_value})"
-    rgb8 = data_cfg.in_channels == 3 and data_cfg.max_value <= 255
-    largest = stats.high.max()
-    if stats.bits == 16 and rgb8:
-        return (f"the images are 16-bit (values up to {largest:g}) but {reads} reads them as 8-bit RGB, cut to their "
-                "top 8 bits; use the config lines above")
-    if rgb8 and stats.channels in (1, 4):
-        kept = "grey tripled" if stats.channels == 1 else "the 4th channel dropped"
-        return (f"the images have {stats.channels} channel(s); {reads} reads them as RGB ({kept}): to keep them as "
-                "they are, use the config lines above")
-    if stats.channels != data_cfg.in_channels:
-        return f"the images have {stats.channels} channel(s) but {reads} expects {data_cfg.in_channels}"
-    if largest > data_cfg.max_value:
-        return (f"values up to {largest:g} exceed data.max_value={data_cfg.max_value}, the full scale they are "
-                "divided by")
-    return None
+def print_image_formats(formats: dict[tuple[int, int], ChannelStats], data_cfg: Any, *,
+                        description: str) -> list[str]:
+    """Print the images' stored formats and the config lines of the most common one, and a WARNING for each
+    format the config reads otherwise (syncseg.data.checks.image_format_warnings, as the start of training
+    says it); returns the warnings."""
+    from syncseg.data.checks import StoredFormat, image_format_warnings
+    from syncseg.data.images import ImageFormat
 
-
-def print_image_formats(formats: dict[tuple[int, int], ChannelStats], data_cfg: Any) -> list[str]:
-    """Print the images' stored formats and the config lines of the most common one, and a WARNING when
-    the config reads them otherwise; returns the warnings."""
     if not formats:
         return []
     for stats in formats.values():
@@ -165,10 +152,12 @@ def print_image_formats(formats: dict[tuple[int, int], ChannelStats], data_cfg: 
           f"    std: [{listed('std')}]    # in the images' units: {lines['std_in_image_units']}\n"
           f"  command line: data.in_channels={lines['in_channels']} data.max_value={lines['max_value']} "
           f"data.mean={listed('mean')} data.std={listed('std')}")
-    warning = format_warning(stats, data_cfg)
-    if warning is not None:
+    warnings = image_format_warnings(
+        [StoredFormat(item.channels, item.bits, float(item.high.max()), item.paths) for item in formats.values()],
+        ImageFormat.of(data_cfg), description=description)
+    for warning in warnings:
         print(f"  WARNING: {warning}")
-    return [warning] if warning is not None else []
+    return warnings
 
 
 def verify_split(dataset: Any, *, workers: int = 0, limit: int = 0) -> dict[str, Any]:
@@ -260,12 +249,13 @@ def verify(args: argparse.Namespace) -> int:
         for message in stats["bad"]:
             print(f"  BAD: {message}")
         formats = stats.pop("image_formats")
-        stats["image_warnings"] = print_image_formats(formats, data_cfg)
+        description = getattr(dataset, "description", f"{data_cfg.dataset} {split}")
+        stats["image_warnings"] = print_image_formats(formats, data_cfg, description=description)
         stats["image_formats"] = [{**item.config(), "bits": item.bits, "num_images": item.num_images,
                                    "value_range": [item.low.tolist(), item.high.tolist()]}
                                   for item in formats.values()]
-        if isinstance(dataset, SegmentationDataset):  # the start of training's look at the masks
-            stats["warnings"] = dataset.inspect_masks(START_CHECK_MASKS).warnings
+        if isinstance(dataset, SegmentationDataset):  # the start of training's look at the listing and the masks
+            stats["warnings"] = [*dataset.listing_warnings, *dataset.inspect_masks(START_CHECK_MASKS).warnings]
             for message in stats["warnings"]:
                 print(f"  WARNING: {message}")
         print(f"  {'id':>3} {'class':<22} {'pixels':>14} {'frequency':>10} {'weight':>8}")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from syncseg.data import build_dataset, check_masks_at_start
+from syncseg.data import build_dataset, check_data_at_start
 from syncseg.engine.accumulation import describe_batches
 from syncseg.engine.checkpoint import load_weights_file
 from syncseg.engine.config import Config
@@ -97,7 +97,7 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
     train_set = build_dataset(data_cfg, data_cfg.train_split, train=True)
     val_set = build_dataset(data_cfg, data_cfg.val_split, train=False)
     for dataset in {data_cfg.train_split: train_set, data_cfg.val_split: val_set}.values():
-        check_masks_at_start(dataset)  # a bounded sample of masks: a bad encoding fails now, not mid-run
+        check_data_at_start(dataset)  # a bounded sample of images and masks: a bad encoding fails now, not mid-run
     check_batching(val_set, config.eval.batch_size, key="eval.batch_size")  # fail now, not at validation
     classes = tuple(train_set.classes)
     precision = log_precision("train.amp", train_cfg.amp, device)

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from syncseg import data
-from syncseg.data.base import START_CHECK_MASKS, check_masks_at_start
+from syncseg.data.base import START_CHECK_MASKS, check_data_at_start
 from syncseg.data.cityscapes import CityscapesSegmentation
 from syncseg.data.masks import IGNORE, BadSampleError, MaskDecoder, suggested_label_map
 from syncseg.engine.config import load_config
@@ -155,14 +155,14 @@ def test_binary_0_255_masks_with_two_classes_warn_with_the_fix(tmp_path, caplog)
     mask[4:10, 4:10] = 255
     _folder(tmp_path, {"a": mask, "b": mask[::-1].copy()})
     with caplog.at_level(logging.WARNING, logger="syncseg.data.base"):
-        report = check_masks_at_start(_dataset(tmp_path, "data.num_classes=2"))
+        report = check_data_at_start(_dataset(tmp_path, "data.num_classes=2"))
     assert report.fix == "255:1" and len(report.warnings) == 1
     assert ("the 2 masks checked hold only the values 0 and 255, and with data.num_classes=2 the value 255 is "
             "data.ignore_index: those pixels are ignored") in caplog.text
     assert "set data.label_map: {255: 1} in the config (command line: data.label_map=255:1)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="syncseg.data.base"):
-        assert check_masks_at_start(_dataset(tmp_path, "data.num_classes=2", "data.label_map=255:1")).warnings == []
+        assert check_data_at_start(_dataset(tmp_path, "data.num_classes=2", "data.label_map=255:1")).warnings == []
     assert caplog.text == ""
 
 
@@ -170,18 +170,18 @@ def test_grey_level_masks_fail_at_start_with_the_label_map_that_reads_them(tmp_p
     grey = np.repeat(np.array([0, 85, 170, 255], dtype=np.uint8), 4)[None].repeat(8, axis=0)
     _folder(tmp_path, {"g1": grey, "g2": grey[:, ::-1].copy()})
     with pytest.raises(BadSampleError) as error:
-        check_masks_at_start(_dataset(tmp_path))
+        check_data_at_start(_dataset(tmp_path))
     assert str(error.value).endswith(
         "the 2 masks checked hold the values [0, 85, 170, 255] (2 bad, first "
         f"'{tmp_path / 'masks' / 'g1.png'}'), which skip classes (data.num_classes=4): grey-level-coded? map them "
         "with data.label_map: {85: 1, 170: 2, 255: 3} in the config (command line: data.label_map=85:1,170:2,255:3)")
     fixed = _dataset(tmp_path, "data.label_map=85:1,170:2,255:3")
-    assert check_masks_at_start(fixed).bad == [] and fixed[0][1][0, ::4].tolist() == [0, 1, 2, 3]
+    assert check_data_at_start(fixed).bad == [] and fixed[0][1][0, ::4].tolist() == [0, 1, 2, 3]
     # with a label map of their own the values are the user's: no guess (255 is class 1 here, not 3)
     grey[0, 0] = 7
     _folder(tmp_path, {"g1": grey})
     with pytest.raises(BadSampleError) as error:
-        check_masks_at_start(_dataset(tmp_path, "data.num_classes=2", "data.label_map=255:1"))
+        check_data_at_start(_dataset(tmp_path, "data.num_classes=2", "data.label_map=255:1"))
     assert "values [7, 85, 170]" in str(error.value) and "grey-level-coded?" not in str(error.value)
     # one mask read alone says what the values look like and how to map them
     with pytest.raises(BadSampleError, match=r"values \[7, 85, 170\] outside \[0, 3\] .* map each value to its "
@@ -202,9 +202,9 @@ def test_the_start_up_check_reads_a_bounded_sample_spread_over_the_split(tmp_pat
     assert report.warnings == []  # 0 and 9 for 4 classes: no guess at which class 9 is
     with pytest.raises(BadSampleError, match=r"m39.png' has values \[9\] .*\(1 of 32 masks checked at start-up are "
                                              r"bad\)"):
-        check_masks_at_start(dataset)
+        check_data_at_start(dataset)
     skipping = _dataset(tmp_path, "data.skip_bad_samples=true")
     with caplog.at_level(logging.WARNING, logger="syncseg.data.base"):
-        check_masks_at_start(skipping)
+        check_data_at_start(skipping)
     assert "m39.png" in caplog.text and "data.skip_bad_samples=true skips such samples" in caplog.text
-    assert check_masks_at_start(data.build_dataset(load_config("demo.yaml").data, "val", train=False)) is None
+    assert check_data_at_start(data.build_dataset(load_config("demo.yaml").data, "val", train=False)) is None

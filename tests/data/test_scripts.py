@@ -143,8 +143,10 @@ def test_verify_dataset_describes_16_bit_and_multi_band_images_and_prints_their_
     assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'grey'}"]) == 0
     out = capsys.readouterr().out
     assert "images as stored: 3 image(s) of 1 channel(s), 16-bit, values per channel 100..4095" in out
-    assert ("WARNING: the images are 16-bit (values up to 4095) but the config (data.in_channels=3, "
-            "data.max_value=255) reads them as 8-bit RGB, cut to their top 8 bits; use the config lines above") in out
+    assert ("images checked ('{0}/0.tif', '{0}/1.tif', '{0}/2.tif') are 16-bit (values up to 4095) but "
+            "data.in_channels=3 with data.max_value=255 reads images as 8-bit RGB: they are cut to their top 8 bits; "
+            "to read them as stored, set data.in_channels=1 and data.max_value=4095").format(
+                tmp_path / "grey" / "images") in out
     values = np.stack(grey).astype(np.float64)
     expected = ["data.in_channels=1", "data.max_value=4095", f"data.mean={round(values.mean() / 4095, 4):g}",
                 f"data.std={round(values.std() / 4095, 4):g}"]
@@ -161,7 +163,7 @@ def test_verify_dataset_describes_16_bit_and_multi_band_images_and_prints_their_
     make_image_folder(tmp_path / "rgbn", bands, suffix=".png")
     assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'rgbn'}"]) == 0
     out = capsys.readouterr().out
-    assert "the config (data.in_channels=3, data.max_value=255) reads them as RGB (the 4th channel dropped)" in out
+    assert "data.in_channels=3 with data.max_value=255 reads them as RGB (the 4th channel dropped)" in out
     pixels = np.stack(bands).reshape(-1, 4).astype(np.float64)
     assert _printed_command_line(out) == [
         "data.in_channels=4", "data.max_value=255",
