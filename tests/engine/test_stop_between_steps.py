@@ -145,10 +145,10 @@ def test_a_stop_that_skips_or_ends_a_due_validation_leaves_it_due_for_the_resume
 @pytest.mark.slow
 def test_a_stop_during_precise_bn_is_answered_within_a_batch_even_after_a_second_ctrl_c(tmp_path, monkeypatch,
                                                                                         uninterrupted):
-    # 40 PreciseBN batches of the averaged weights, two SIGINTs inside the 4th: before, the pass ran to its
+    # 20 PreciseBN batches of the averaged weights, two SIGINTs inside the 4th: before, the pass ran to its
     # end and the second SIGINT raised KeyboardInterrupt (exit 130, no last.pt). The pass ends with the
     # statistics it found; the resume recomputes them.
-    extra = ("train.precise_bn_batches=40", "train.ema_decay=0.5")
+    extra = ("train.precise_bn_batches=20", "train.ema_decay=0.5")
     stopped = _stopped_and_resumed(tmp_path, extra, monkeypatch, uninterrupted(extra), where="precise_bn", count=4,
                                    signals=(signal.SIGINT, signal.SIGINT))
     calls = stopped["calls"]
@@ -156,5 +156,5 @@ def test_a_stop_during_precise_bn_is_answered_within_a_batch_even_after_a_second
     batch_seconds = max(later - earlier for earlier, later in zip(calls, calls[1:]))
     save_seconds = sum(end - start for start, end in stopped["saves"] if start >= stopped["signal"])
     signal_to_return = stopped["returned"] - stopped["signal"]
-    # about one batch plus the save; the 36 batches left would take ~36 batch times
+    # about one batch plus the save; the 16 batches left would take ~16 batch times more
     assert signal_to_return <= save_seconds + 3 * batch_seconds, (signal_to_return, save_seconds, batch_seconds)
