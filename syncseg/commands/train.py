@@ -111,7 +111,8 @@ def train(args: argparse.Namespace, where: dict[str, Any]) -> int:
 def _in_contract_terms(error: BaseException, *, rank: int, timeout_s: float, launcher: str) -> BaseException:
     """A training failure as run_command reports it: bad input stays as it is (exit 2, rank 0 says it); a
     non-finite loss, a write that failed, a lost worker or peer become one CommandFailed line (exit 1, every
-    rank says its own); a second Ctrl-C while saving says nothing was saved; anything else keeps its traceback."""
+    rank says its own); anything else keeps its traceback. (A Ctrl-C before training starts is a plain
+    KeyboardInterrupt; once it runs, every signal is a stop request that saves: syncseg.engine.signals.)"""
     from syncseg.engine.cli import CommandFailed
     from syncseg.engine.distributed import is_communication_error
     from syncseg.engine.launch_hints import first_line, lost_contact_message
@@ -120,8 +121,6 @@ def _in_contract_terms(error: BaseException, *, rank: int, timeout_s: float, lau
         return error
     if isinstance(error, FloatingPointError):
         return CommandFailed(str(error))
-    if isinstance(error, KeyboardInterrupt):
-        return KeyboardInterrupt("a second time; stopped without saving")
     if isinstance(error, OSError):  # e.g. a full disk; the message names the file
         return CommandFailed(f"rank {rank}: {describe_error(error)}")
     if isinstance(error, RuntimeError) and "DataLoader worker" in str(error):  # e.g. the out-of-memory killer

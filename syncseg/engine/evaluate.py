@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,8 +21,9 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from syncseg.engine.confusion import ConfusionMatrix
-from syncseg.engine.distributed import all_reduce_max, all_reduce_sum, get_rank
+from syncseg.engine.distributed import all_reduce_sum, get_rank
 from syncseg.engine.inference import predict_batch
+from syncseg.engine.signals import Stopped, until_stop
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def evaluate(
         redirect = logging_redirect_tqdm()  # log lines above the bar, not written into it
     try:
         with torch.inference_mode(), redirect:
-            for batch_index, (images, masks) in enumerate(_until_stop(batches, should_stop)):
+            for batch_index, (images, masks) in enumerate(until_stop(batches, should_stop)):
                 images = images.to(device, non_blocking=True)
                 masks = masks.to(device, non_blocking=True)
                 # an image resized by the pipeline, not its mask: the logits come back at the mask's size
@@ -82,7 +83,7 @@ def evaluate(
                 num_images += images.shape[0]
                 if on_batch is not None:
                     on_batch(batch_index, predictions.cpu(), masks.cpu())
-    except EvaluationStopped:
+    except Stopped:
         return None
     finally:
         model.train(was_training)
@@ -94,22 +95,3 @@ def evaluate(
         results["classes"] = list(classes)
     return results
 
-
-class EvaluationStopped(Exception):
-    """Raised by _until_stop when every process agreed to stop; evaluate() returns None."""
-
-
-def _until_stop(batches: Any, should_stop: Callable[[], bool] | None) -> Iterator[Any]:
-    """The batches of `batches`, asking `should_stop()` before each. Under torch.distributed the shards
-    differ in length, so every process asks as often as the longest shard has batches."""
-    if should_stop is None:
-        yield from batches
-        return
-    rounds = int(all_reduce_max(torch.tensor([len(batches)]))[0])
-    iterator = iter(batches)
-    for _ in range(rounds):
-        if should_stop():
-            raise EvaluationStopped
-        batch = next(iterator, None)
-        if batch is not None:
-            yield batch

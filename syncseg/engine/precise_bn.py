@@ -16,6 +16,7 @@ augmentations and its losses are exactly those of a run without PreciseBN.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from syncseg.data.transforms import normalize_batch
 from syncseg.engine.devices import autocast_for
 from syncseg.engine.distributed import all_reduce_sum, is_dist
 from syncseg.engine.seeding import SeededDataset, mix_seed
+from syncseg.engine.signals import Stopped, until_stop
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +48,14 @@ def build_precise_bn_loader(dataset: Any, *, num_batches: int, batch_size: int, 
 
 @torch.no_grad()
 def recompute_batch_norm_statistics(model: nn.Module, train_model: nn.Module, loader: DataLoader, *,
-                                    data_cfg: Any, precision: str, device: torch.device) -> int:
+                                    data_cfg: Any, precision: str, device: torch.device,
+                                    should_stop: Callable[[], bool] | None = None) -> int | None:
     """Set the running statistics of every BatchNorm layer of `model` (frozen ones have none) to the
     population statistics of the batches of `loader`, run through `train_model` (the wrapper of `model`
-    that training uses). Returns the number of layers updated. Every process must call it (collectives)."""
+    that training uses). Returns the number of layers updated. Every process must call it (collectives).
+
+    `should_stop()` is asked before every batch (syncseg.engine.signals.StopRequest.agreed: every process
+    asks equally often); when it says to stop, every layer keeps the statistics it had and None is returned."""
     layers = [module for module in model.modules()
               if isinstance(module, _BatchNorm) and module.track_running_stats and module.running_mean is not None]
     if not layers:
@@ -70,7 +76,7 @@ def recompute_batch_norm_statistics(model: nn.Module, train_model: nn.Module, lo
     try:
         for layer in layers:
             layer.momentum = 1.0  # running buffers := this batch's (synchronized) mean and unbiased variance
-        for images, _ in loader:
+        for images, _ in until_stop(loader, should_stop):
             images = images.to(device)
             global_images = torch.tensor([images.shape[0]], dtype=torch.float64, device=device)
             if is_dist():
@@ -83,9 +89,11 @@ def recompute_batch_norm_statistics(model: nn.Module, train_model: nn.Module, lo
                 sums[index][0].add_(mean * elements)
                 sums[index][1].add_(var * (elements - 1) + mean * mean * elements)
                 count[index] += elements
-    except BaseException:
+    except BaseException as error:
         for layer, (momentum, mean, var, tracked) in zip(layers, saved):
             layer.running_mean.copy_(mean), layer.running_var.copy_(var), layer.num_batches_tracked.copy_(tracked)
+        if isinstance(error, Stopped):
+            return None
         raise
     finally:
         for hook in hooks:
@@ -101,13 +109,18 @@ def recompute_batch_norm_statistics(model: nn.Module, train_model: nn.Module, lo
     return len(layers)
 
 
-def precise_batch_norms(parts: Any) -> None:
+def precise_batch_norms(parts: Any, *, should_stop: Callable[[], bool] | None = None) -> bool:
     """PreciseBN for the model validation uses (syncseg.engine.build.TrainingParts.eval_model): through the training
     wrapper, or, with train.ema_decay, the averaged copy itself (its synchronized layers still reduce over
-    torch.distributed processes, but not over --gpus replicas)."""
+    torch.distributed processes, but not over --gpus replicas). False when `should_stop()` (asked before
+    every batch, as recompute_batch_norm_statistics does) ended it, the statistics unchanged."""
     wrapper = parts.train_model if parts.ema is None else parts.ema.module
     count = recompute_batch_norm_statistics(parts.eval_model, wrapper, parts.precise_bn_loader,
                                             data_cfg=parts.config.data, precision=parts.precision,
-                                            device=parts.device)
+                                            device=parts.device, should_stop=should_stop)
+    if count is None:
+        logger.info("PreciseBN stopped by a stop request; BatchNorm statistics left as they were")
+        return False
     logger.info("BatchNorm statistics of %d layers recomputed over %d batches (PreciseBN)", count,
                 len(parts.precise_bn_loader))
+    return True

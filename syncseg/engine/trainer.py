@@ -56,7 +56,8 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class Due:
-    """What the loop does after one step: read the losses back, log, write last.pt, validate, stop."""
+    """What the loop does after one step: read the losses back, log, write last.pt, validate, stop.
+    `validate` says this iteration's validation is due even when `stop` is set: a stop saves it as due."""
 
     record: bool
     log: bool
@@ -71,7 +72,7 @@ class Due:
         stop = stop_requested and iteration < stop_at
         log = iteration % train_cfg.log_interval == 0
         checkpoint = iteration % train_cfg.ckpt_interval == 0 or at_end or iteration == stop_at or stop
-        validate = (iteration % train_cfg.val_interval == 0 or at_end) and not stop
+        validate = iteration % train_cfg.val_interval == 0 or at_end
         return cls(record=log or checkpoint or validate, log=log, checkpoint=checkpoint, validate=validate, stop=stop)
 
 
@@ -113,6 +114,7 @@ class Trainer:
         self.validation_due = False  # a stop ended this iteration's validation: a resume runs it first
         self._steps: Iterator[list[Any]] | None = None  # created at the first fit, from self.iteration
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (iteration, loss) not yet read back
+        self._last_saved: tuple[int, float, bool] | None = None  # _saved_state_key() of the last last.pt written
         self.vis_indices = list(range(min(self.config.train.num_vis_images, len(parts.val_set))))
         seed_process(self.config.train.seed, self.dist.rank)
         if resume is not None:
@@ -133,7 +135,10 @@ class Trainer:
     def fit(self, *, stop_at: int | None = None) -> TrainResult:
         """Train up to `stop_at` (default train.iters). last.pt is written every train.ckpt_interval, at the
         stop iteration and on a signal (before any validation of the same iteration, so a failing
-        validation cannot cost the work); best.pt at each better validation."""
+        validation cannot cost the work); best.pt at each better validation. A signal is answered within a
+        step or a batch of what runs between steps (PreciseBN, validation, the grid): last.pt is saved at
+        that iteration, with a validation the stop skipped or cut short recorded as due (the resume runs it
+        first, so the validations and best.pt are an uninterrupted run's)."""
         total = self.config.train.iters
         stop_at = total if stop_at is None else min(total, stop_at)
         result = TrainResult(best_miou=self.best_miou, iteration=self.iteration)
@@ -145,7 +150,7 @@ class Trainer:
         with StopRequest() as stop, progress_bar(enabled=self.progress, total=stop_at,
                                                  initial=self.iteration) as bar, self.log.flushed_at_exit():
             stop.iteration = self.iteration
-            stopped = self.validation_due and not self._validate(stop, result)  # the one a stop ended
+            stopped = self.validation_due and not self._validation(stop, result)  # the one a stop left due
             while self.iteration < stop_at and not stopped:
                 stop.iteration = self.iteration + 1
                 wait_start = time.perf_counter()
@@ -162,12 +167,7 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 periodic_start = time.perf_counter()
-                if due.validate and self.parts.precise_bn_loader is not None:
-                    precise_batch_norms(self.parts)  # before last.pt too: it keeps the statistics validation used
-                if due.checkpoint:
-                    with stop.deferring_interrupts():
-                        self.save(["last.pt"])
-                stopped = due.stop or (due.validate and not self._validate(stop, result))
+                stopped = not self._between_steps(due, stop, result)
                 periodic_seconds += time.perf_counter() - periodic_start
             if stopped:
                 result.reason, result.signal = "signal", stop.received
@@ -224,32 +224,69 @@ class Trainer:
             logger.info(progress_line(record, iteration=self.iteration, stop_at=stop_at,
                                       eta=throughput.eta_seconds(self.iteration, stop_at)))
 
-    def _validate(self, stop: StopRequest, result: TrainResult) -> bool:
-        """Validate at this iteration and write best.pt when it is better; False when a stop agreed between
-        validation batches ended it (last.pt is then written with the validation still due)."""
-        metrics = self.validate(should_stop=stop.agreed)
-        self.validation_due = metrics is None
-        with stop.deferring_interrupts():
-            if metrics is None:
-                self.save(["last.pt"])
-            elif metrics["miou"] > self.best_miou:
-                self.best_miou, self.best_metrics = float(metrics["miou"]), metrics
-                self.save(["best.pt"])
-        result.last_val = metrics or result.last_val
-        return metrics is not None
+    def _between_steps(self, due: Due, stop: StopRequest, result: TrainResult) -> bool:
+        """What `due` asks for after a step: last.pt, PreciseBN, validation. False when a stop ends the run
+        here, last.pt saved at this iteration (every process agrees on it: StopRequest.agreed)."""
+        if due.stop:
+            return self._stop_saving(validation_due=due.validate)
+        if due.validate:
+            if not self._validation(stop, result, checkpoint=due.checkpoint):
+                return False
+        elif due.checkpoint:
+            self.save(["last.pt"])
+        if (due.validate or due.checkpoint) and stop.agreed():  # a signal during a save or the grid's last image
+            return self._stop_saving(validation_due=False)
+        return True
 
-    def validate(self, *, should_stop: Any = None) -> dict[str, Any] | None:
-        """evaluate() on the validation shard of this process (the same code path as eval.py), logged; the
-        averaged weights when train.ema_decay > 0. None when `should_stop()` (asked between batches) ended it."""
+    def _validation(self, stop: StopRequest, result: TrainResult, *, checkpoint: bool = False) -> bool:
+        """PreciseBN (train.precise_bn_batches), then last.pt when `checkpoint` (after PreciseBN, as it keeps the
+        statistics validation used; before validating, so a failing validation cannot cost the work), then
+        validate and write best.pt when better. False when a stop agreed between batches ended PreciseBN or
+        the validation: last.pt is then saved with the validation due, and the resume runs all of this again
+        (PreciseBN's batches are fixed, so the same weights give it the same statistics)."""
+        if self.parts.precise_bn_loader is not None and not precise_batch_norms(self.parts, should_stop=stop.agreed):
+            return self._stop_saving(validation_due=True)
+        if checkpoint:
+            self.save(["last.pt"])
+        metrics = self.validate(stop=stop)
+        if metrics is None:
+            return self._stop_saving(validation_due=True)
+        self.validation_due = False
+        if metrics["miou"] > self.best_miou:
+            self.best_miou, self.best_metrics = float(metrics["miou"]), metrics
+            self.save(["best.pt"])
+        result.last_val = metrics
+        return True
+
+    def _stop_saving(self, *, validation_due: bool) -> bool:
+        """Stop here: last.pt at this iteration (unless the one saved last is this very state); returns False."""
+        self.validation_due = validation_due
+        if validation_due:
+            logger.warning("iteration %d's validation is left due: the resume runs it first", self.iteration)
+        if self._last_saved != self._saved_state_key():
+            self.save(["last.pt"])
+        return False
+
+    def validate(self, *, stop: StopRequest | None = None) -> dict[str, Any] | None:
+        """evaluate() on the validation shard of this process (the same code path as eval.py) and rank 0's
+        TensorBoard grid, then logged; the averaged weights when train.ema_decay > 0. None, with nothing logged,
+        when `stop` ended it: agreed before every validation batch and once after the grid, which rank 0 draws
+        alone (asking only its own flag between images, since the other processes are not drawing)."""
         parts, classes, model = self.parts, self.parts.classes, self.parts.eval_model
+        should_stop = None if stop is None else stop.agreed
         metrics = evaluate(model, parts.val_loader, num_classes=len(classes), device=self.device,
                            data_cfg=self.config.data, eval_cfg=self.config.eval, classes=classes, progress=False,
                            should_stop=should_stop)
-        if metrics is not None and self.dist.is_main:
+        grid = None
+        if metrics is not None and self.dist.is_main and self.vis_indices:
+            grid = prediction_grid(model, parts.val_set, self.vis_indices, device=self.device,
+                                   data_cfg=self.config.data, eval_cfg=self.config.eval,
+                                   should_stop=None if stop is None else lambda: stop.requested)
+        if metrics is None or (should_stop is not None and should_stop()):
+            return None
+        if self.dist.is_main:
             self.log.validation(metrics, classes=classes, step=self.iteration)
-            if self.vis_indices:
-                grid = prediction_grid(model, parts.val_set, self.vis_indices, device=self.device,
-                                       data_cfg=self.config.data, eval_cfg=self.config.eval)
+            if grid is not None:
                 self.log.image("val/image_truth_prediction", grid, step=self.iteration)
             logger.info("iteration %d: val mIoU %.4f, pixel acc %.4f (%d images)", self.iteration,
                         metrics["miou"], metrics["pixel_acc"], metrics["num_images"])
@@ -294,6 +331,12 @@ class Trainer:
         best.pt shares the weights validation used (the averaged ones with train.ema_decay)."""
         state = self.state_dict()
         self.checkpointer.save(names, state, best_metrics=self.best_metrics, weights=state.get("ema"))
+        if "last.pt" in names:
+            self._last_saved = self._saved_state_key()
+
+    def _saved_state_key(self) -> tuple[int, float, bool]:
+        """What tells last.pt states of one run apart between steps (the weights change only in a step)."""
+        return self.iteration, self.best_miou, self.validation_due
 
     def close(self) -> None:
         """Stop the data-loading workers and close the TensorBoard writer (call it however training ended)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -115,11 +115,12 @@ def with_legend(picture: np.ndarray, classes: Sequence[str], palette: np.ndarray
 
 @torch.no_grad()
 def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int], *, device: torch.device,
-                    data_cfg: Any, eval_cfg: Any) -> np.ndarray:
+                    data_cfg: Any, eval_cfg: Any, should_stop: Callable[[], bool] | None = None) -> np.ndarray | None:
     """image | truth | prediction, one row per dataset index, predicted as evaluation does
     (syncseg.engine.inference.predict_batch with `eval_cfg`, in eval mode; the model's mode is restored), under
     column titles and above a legend of the class colours and the ignore colour. Images other than 8-bit
-    RGB are drawn by syncseg.data.images.display_rgb."""
+    RGB are drawn by syncseg.data.images.display_rgb. None when `should_stop()`, asked before every image
+    (it must not communicate: only rank 0 draws), said to stop."""
     palette = dataset_kind(data_cfg.dataset).palette_for(len(dataset.classes))
     ignore_index = int(getattr(dataset, "ignore_index", data_cfg.ignore_index))
     rows = []
@@ -127,6 +128,8 @@ def prediction_grid(model: torch.nn.Module, dataset: Any, indices: Sequence[int]
     model.eval()
     try:
         for index in indices:
+            if should_stop is not None and should_stop():
+                return None
             image, mask = dataset[index]
             logits = predict_batch(model, image.unsqueeze(0).to(device), num_classes=len(dataset.classes),
                                    data_cfg=data_cfg, eval_cfg=eval_cfg, output_size=tuple(mask.shape[-2:]))

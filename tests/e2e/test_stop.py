@@ -1,11 +1,11 @@
 """A stop under torchrun (2 gloo processes) saves at the step it was requested in, and one requested during a
-validation ends that validation at its next batch; the resume runs the validation the stop cut short.
+validation or a PreciseBN pass ends it at its next batch; the resume runs the validation the stop cut short.
 
 The signal reaches one rank only, from inside the step (or the validation batch) it is about: the other
 rank learns of it through the per-step agreement (syncseg.engine.signals), so both must end at the same iteration.
 
 Run as a module (by the tests, under torchrun), this file trains, sends SIGTERM to its own process where
-STOP_AT says (`step:K:RANK` or `val:BATCH:RANK`), and writes what each rank saw as JSON.
+STOP_AT says (`step:K:RANK`, `val:BATCH:RANK` or `bn:BATCH:RANK`, a PreciseBN batch), and writes what each rank saw as JSON.
 """
 from __future__ import annotations
 
@@ -73,12 +73,31 @@ def test_a_stop_during_validation_ends_it_early_and_the_resume_runs_it_first(tmp
     assert validated == [2, 4]
 
 
+@pytest.mark.slow
+def test_a_stop_during_precise_bn_on_one_rank_ends_the_pass_at_the_same_batch_on_both(tmp_path):
+    # 30 PreciseBN batches; the signal comes inside rank 1's third: both ranks end the pass there (their
+    # synchronized layers and agreements stay paired), save last.pt with the validation due, and the
+    # resume runs PreciseBN and the validation of iteration 2 first
+    extra = ("train.val_interval=2", "train.precise_bn_batches=30")
+    ranks = _run(tmp_path, "stop", stop_at="bn:3:1", extra=extra)
+    assert [rank["iteration"] for rank in ranks] == [2, 2] and [rank["bn_batches"] for rank in ranks] == [3, 3]
+    assert [rank["reason"] for rank in ranks] == ["signal", "signal"] and ranks[0]["signal"] == 15
+    last = _last_pt(tmp_path)
+    assert last["iteration"] == 2 and last["validation_due"]
+
+    resumed = _run(tmp_path, "resumed", resume=True, extra=extra)
+    assert [rank["bn_batches"] for rank in resumed] == [30 + 30, 30 + 30] and resumed[0]["iteration"] == 4
+    validations = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [record["iteration"] for record in validations if record.get("type") == "val"] == [2, 4]
+
+
 def main(argv: list[str]) -> int:
     """`python -m tests.e2e.test_stop OUTPUT [--resume] KEY=VALUE...` under torchrun, from the repository root."""
     import logging
     import signal
 
     import syncseg.engine.evaluate
+    import syncseg.engine.precise_bn
     from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
     from syncseg.engine.config import load_config
     from syncseg.engine.distributed import cleanup, setup_distributed
@@ -93,7 +112,7 @@ def main(argv: list[str]) -> int:
     trainer = Trainer.from_config(config, info, resume=payload, progress=False)
     where, _, rest = os.environ.get("STOP_AT", "").partition(":")
     count, rank = (int(value) for value in rest.split(":")) if where else (0, -1)
-    seen = {"step": 0, "val": 0}
+    seen = {"step": 0, "val": 0, "bn": 0}
 
     def signalling(function, kind):
         def wrapped(*args, **kwargs):
@@ -106,9 +125,11 @@ def main(argv: list[str]) -> int:
 
     trainer.train_step = signalling(trainer.train_step, "step")
     syncseg.engine.evaluate.predict_batch = signalling(syncseg.engine.evaluate.predict_batch, "val")
+    syncseg.engine.precise_bn.normalize_batch = signalling(syncseg.engine.precise_bn.normalize_batch, "bn")
     result = trainer.fit()
     output.with_suffix(f".{info.rank}.json").write_text(json.dumps({
         "iteration": result.iteration, "reason": result.reason, "signal": result.signal, "val_batches": seen["val"],
+        "bn_batches": seen["bn"],
         "losses": {str(k): v for k, v in result.losses.items()},
         "val": result.last_val and {k: result.last_val[k] for k in ("miou", "num_images")},
     }))

@@ -171,6 +171,7 @@ def test_inference_config_applies_overrides_then_flags_and_drops_weight_sources(
     ("train.ohem_thresh=1.5", "train.ohem_thresh=1.5: must be > 0 and <= 1"),
     ("train.class_weights=1,-1", "train.class_weights=1.0,-1.0: every value must be >= 0"),
     ("train.val_interval=0", "train.val_interval=0: must be >= 1"),
+    ("train.precise_bn_batches=1000000", "train.precise_bn_batches=1000000: must be >= 0 and <= 10000"),
     ("data.num_workers=-1", "data.num_workers=-1: must be >= 0"),
     ("data.base_size=-1", "data.base_size=-1: must be >= 0"),
     ("data.ignore_index=256", "data.ignore_index=256: must be >= 0 and <= 255"),

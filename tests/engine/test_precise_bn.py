@@ -45,6 +45,22 @@ def test_running_statistics_become_the_population_statistics_of_the_data(norm):
         reference[4].running_mean, torch.full_like(reference[4].running_mean, 7.0))
 
 
+def test_a_stop_between_batches_leaves_the_statistics_as_they_were():
+    # asked before every batch (StopRequest.agreed): the pass ends at once instead of running its batches
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), SynchronizedBatchNorm2d(4))
+    model[1].running_mean.fill_(7.0)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    asked = []
+    count = recompute_batch_norm_statistics(model, model, _batches([3, 5, 2]), data_cfg=DATA, precision="off",
+                                            device=torch.device("cpu"),
+                                            should_stop=lambda: asked.append(len(asked)) or len(asked) == 2)
+    assert count is None and asked == [0, 1]  # the second batch never ran
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert model[1].momentum == 0.1
+
+
 def test_training_losses_are_untouched_and_validation_sees_the_new_statistics(tmp_path):
     tiny = ["data.synthetic_image_size=32", "data.crop_size=32", "data.synthetic_train_size=16",
             "data.synthetic_val_size=2", "data.num_workers=0", "model.backbone=resnet18", "model.head_channels=8",

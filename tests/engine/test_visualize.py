@@ -88,6 +88,11 @@ def test_prediction_grid_has_titles_a_legend_and_cream_ignore_pixels():
     assert (truth[:, :2 * factor] == IGNORE_COLOR).all() and (truth[:, 2 * factor:] == 0).all()
     prediction = grid[band:band + size, 2 * size + 4:]
     assert (prediction[:, :4 * factor] == 0).all() and (prediction[:, 4 * factor:] == thing).all()
+    # a stop request (asked before every image) ends the grid: nothing is drawn, the mode is restored
+    answers = iter([False, True])
+    assert prediction_grid(model, Dataset(), [0, 0, 0], device=torch.device("cpu"), data_cfg=DataConfig(),
+                           eval_cfg=EvalConfig(), should_stop=lambda: next(answers)) is None
+    assert model.training
     legend = grid[band + size:]
     assert (legend == IGNORE_COLOR).all(axis=-1).any() and (legend == thing).all(axis=-1).any()
     assert len({tuple(p) for p in pixels}) > 6  # text is drawn (anti-aliased greys), not only flat colours

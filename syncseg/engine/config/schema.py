@@ -193,8 +193,10 @@ class TrainConfig:
     # When on, validation and best.pt use the averaged weights.
     ema_decay: float = _limited(0.0, Limit(ge=0, lt=1))
     # recompute BatchNorm running statistics as population statistics over this many training
-    # micro-batches before each validation and at the end (PreciseBN); 0 = off
-    precise_bn_batches: int = _limited(0, _NON_NEGATIVE)
+    # micro-batches before each validation and at the end (PreciseBN); 0 = off. At most 10000: even
+    # one-image micro-batches then reach the 10^3-10^4 images population statistics need (fvcore's
+    # default is 200 batches), while a slip of the keyboard (1000000) would run for hours per validation.
+    precise_bn_batches: int = _limited(0, Limit(ge=0, le=10_000))
 
 
 @dataclass(frozen=True)
