@@ -89,8 +89,12 @@ def train(args: argparse.Namespace, where: dict[str, Any]) -> int:
         run = run_training(source, args.overrides, dist_info=dist_info, resume=args.resume, overwrite=args.overwrite,
                            stop_at=args.stop_at)
     except BaseException as error:
+        # classified first: telling a lost peer from other errors needs the process group still up
+        reported = _in_contract_terms(error, rank=dist_info.rank, timeout_s=timeout_s, launcher=launch.launcher)
         cleanup(synchronize=False)
-        raise _in_contract_terms(error, rank=dist_info.rank, timeout_s=timeout_s, launcher=launch.launcher) from error
+        if reported is error:
+            raise
+        raise reported from error
     result = run.result
     if result.reason == "signal":
         # stopped and saved: a later SIGTERM must not cut the exit short (srun --kill-on-bad-exit sends one to
