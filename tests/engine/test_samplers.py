@@ -98,11 +98,6 @@ def test_sampler_rejects_more_processes_than_samples_per_step():
         ResumableBatchSampler(30, global_batch=2, seed=0, world_size=3)
 
 
-def test_sampler_rejects_dataset_smaller_than_global_batch():
-    with pytest.raises(ValueError, match="train.batch_size"):
-        ResumableBatchSampler(3, global_batch=4, seed=0, world_size=2)
-
-
 @pytest.mark.parametrize("count,world", [(5, 2), (7, 3), (2, 4)])
 def test_shard_sampler_is_a_disjoint_cover_without_padding(count, world):
     shards = [list(ShardSampler(count, rank=r, world_size=world)) for r in range(world)]
