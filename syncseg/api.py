@@ -86,6 +86,12 @@ class Predictor:
     path: Path
     iteration: int | None
 
+    @classmethod
+    def from_loaded(cls, loaded: Any) -> "Predictor":
+        """The Predictor of a syncseg.engine.inference_model.InferenceModel (load_inference_model's result)."""
+        return cls(model=loaded.model, config=loaded.config, classes=loaded.classes, device=loaded.device,
+                   path=loaded.path, iteration=loaded.iteration)
+
     @property
     def palette(self) -> np.ndarray:
         """num_classes x 3 uint8: the colours eval.py and predict.py draw the classes in."""
@@ -139,9 +145,8 @@ def load_model(checkpoint: str | Path, *, device: str | torch.device = "cpu",
     """
     from syncseg.engine.inference_model import load_inference_model
 
-    loaded = load_inference_model(checkpoint, device=torch.device(device), overrides=list(overrides))
-    return Predictor(model=loaded.model, config=loaded.config, classes=loaded.classes, device=loaded.device,
-                     path=loaded.path, iteration=loaded.iteration)
+    return Predictor.from_loaded(load_inference_model(checkpoint, device=torch.device(device),
+                                                      overrides=list(overrides)))
 
 
 def predict(predictor: Predictor, image: np.ndarray | str | Path) -> np.ndarray:

@@ -11,7 +11,7 @@ subfolders are kept. Photos are turned upright by their EXIF orientation (as vie
 match the upright image). Images are read in the checkpoint's format (data.in_channels, data.max_value:
 16-bit, 1- or N-channel PNG and TIFF as stored; an image of another channel count or bit depth is skipped,
 naming both); the overlay of such an image is drawn on its first channel (grey) or first three, scaled to 8
-bits. The image is predicted by syncseg.engine.inference.predict_batch, as validation and eval.py predict
+bits. The image is predicted by syncseg.api.Predictor (engine.inference.predict_batch), as validation and eval.py predict
 (normalization, the checkpoint's eval.mode/scales/flip and eval.amp unless flags say otherwise); masks are at
 the original resolution (data.base_size > 0 predicts at that long side, then resizes the logits back). An
 image whose long side is more than LARGE_IMAGE_FACTOR times the training crop gets a warning: objects in it
@@ -27,7 +27,6 @@ could not be written (named); 2 a bad command line, checkpoint or --input, a sin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -116,7 +115,6 @@ def run(args: argparse.Namespace) -> Outcome:
     of the command line. An output that cannot be written is an OSError naming it (nothing is skipped:
     the next image would meet the same full disk)."""
     import numpy as np
-    import torch
 
     from syncseg.data import BadSampleError, palette_image
     from syncseg.data.registry import dataset_kind
@@ -124,7 +122,7 @@ def run(args: argparse.Namespace) -> Outcome:
     from syncseg.engine.cli import writing
     from syncseg.engine.devices import inference_device
     from syncseg.engine.devices import log_precision
-    from syncseg.engine.inference import predict_batch
+    from syncseg.api import Predictor
     from syncseg.engine.inference_model import load_inference_model
     from syncseg.engine.visualize import background_indices, legend_image, overlay, save_png
 
@@ -139,11 +137,12 @@ def run(args: argparse.Namespace) -> Outcome:
     loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides,
                                   flags={"eval.mode": args.mode, "eval.scales": args.scales, "eval.flip": args.flip,
                                          "eval.amp": args.amp})
-    config, classes, model = loaded.config, loaded.classes, loaded.model
+    config, classes = loaded.config, loaded.classes
+    predictor = Predictor.from_loaded(loaded)
     # the kind's colours, without opening the dataset (its files may not exist here)
     palette = dataset_kind(config.data.dataset).palette_for(len(classes))
     base_size = config.data.base_size
-    eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
+    log_precision("eval.amp", config.eval.amp, device)  # what the Predictor runs, in the log
     uncoloured = background_indices(classes)
     image_format = ImageFormat.of(config.data)  # the checkpoint's data.in_channels and data.max_value
     outcome = Outcome(num_images=len(images))
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace) -> Outcome:
             continue
         height, width = image.shape[:2]
         crop = config.data.crop_size  # (height, width)
-        if too_large(max(height, width), base_size=base_size, crop_size=max(crop), mode=eval_cfg.mode):
+        if too_large(max(height, width), base_size=base_size, crop_size=max(crop), mode=config.eval.mode):
             if not large:
                 crop_text = str(crop[0]) if crop[0] == crop[1] else f"{crop[0]},{crop[1]}"
                 logger.warning("%s is %dx%d, more than %d times the training crop (data.crop_size=%s): objects in it "
@@ -168,11 +167,7 @@ def run(args: argparse.Namespace) -> Outcome:
                                "with eval.window_size=%s if the model was trained on crops of images this large)",
                                image_path, width, height, LARGE_IMAGE_FACTOR, crop_text, max(crop), crop_text)
             large.append(image_path)
-        batch = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].to(device)
-        with torch.inference_mode():
-            logits = predict_batch(model, batch, num_classes=len(classes), data_cfg=config.data, eval_cfg=eval_cfg,
-                                   long_side=base_size)
-        labels = logits.argmax(1)[0].to("cpu", torch.uint8).numpy()
+        labels = predictor.predict(image).astype(np.uint8)  # the API's one-image path: same normalization
         target = output / stem  # save_png creates the folders
         with writing("masks and overlays under", output):
             save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
