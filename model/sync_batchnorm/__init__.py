@@ -21,7 +21,7 @@ from .conversion import (
     revert_model,
     synchronized_layers,
 )
-from .divergence import ExchangeLedger, SyncDivergenceError, check_gathered_labels, layer_key
+from .divergence import ExchangeLedger, SyncDivergenceError, check_gathered_labels, check_label_sums, layer_key
 from .replicate import (
     AbortingReplica,
     CallbackContext,
@@ -54,6 +54,7 @@ __all__ = [
     "ExchangeLedger",
     "SyncDivergenceError",
     "check_gathered_labels",
+    "check_label_sums",
     "layer_key",
     "AbortingReplica",
     "CallbackContext",

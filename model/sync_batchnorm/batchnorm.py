@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import compiled, functions
 from .comm import SyncMaster
-from .divergence import check_gathered_labels, layer_key
+from .divergence import check_label_sums, layer_key
 from .functions import BackwardHandoff, CombineMeta, CombineStats, LocalStats, Normalize, StatsMessage
 
 __all__ = [
@@ -97,10 +97,12 @@ class _SynchronizedBatchNorm(_BatchNorm):
         label = repr(name) if name is not None else f"an unnamed {type(self).__name__}({self.num_features})"
         self._sync_label, self._sync_key = label, layer_key(label)
 
-    def _describe_key(self, key: int) -> str:
-        if key == self._sync_key:
+    def _describe_key(self, key: int, bits: int = 64) -> str:
+        """The layer whose key is `key`, or, with `bits`, whose key's low `bits` bits are `key`."""
+        mask = (1 << bits) - 1
+        if self._sync_key & mask == key:
             return self._sync_label
-        name = self.sync_names.get(key)
+        name = next((name for full, name in self.sync_names.items() if full & mask == key), None)
         return repr(name) if name is not None else f"a layer this process cannot name (key {key:#x})"
 
     # --- state: runtime rendezvous objects never travel with the module ------------------------
@@ -277,8 +279,8 @@ class _SynchronizedBatchNorm(_BatchNorm):
         outputs = CombineStats.apply(meta, counts, *(message.stats for _, message in intermediates))
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
-        if meta.gathered_labels is not None:
-            self._check_labels(meta.gathered_labels, meta.group)
+        if meta.label_sums is not None:
+            self._check_labels(meta.label_sums, meta.group, meta.label)
         # More than one value here means more than one in total: only a process holding at most one
         # value per channel needs the global count (a host sync, in this rare case only).
         if meta.local_count <= 1 and (meta.group is None or int(round(float(meta.total_count))) <= 1):
@@ -293,28 +295,33 @@ class _SynchronizedBatchNorm(_BatchNorm):
                           f"{replicas} replica(s)" + (" and all processes" if distributed else ""))
 
     # --- divergence across processes: every process checks every process's label ------------------
-    def _check_labels(self, labels: torch.Tensor, group) -> None:
-        """Raise SyncDivergenceError if the processes of `group` called different layers at this exchange:
-        at once where reading `labels` costs nothing (CPU), else at this layer's next synchronized call,
+    def _check_labels(self, label_sums: torch.Tensor, group, label: tuple[int, int]) -> None:
+        """Raise SyncDivergenceError if the processes of `group` called different layers at this exchange
+        (`label_sums`: the group's sums of divergence.label_values; `label`: this process's (key, call)):
+        at once where reading the sums costs nothing (CPU), else at this layer's next synchronized call,
         from an asynchronous copy, so that the forward never waits for the device."""
-        if not functions.reads_stall_the_device(labels):
-            check_gathered_labels(labels, lambda: dist.get_process_group_ranks(group), self._describe_key)
+        own = (*label, dist.get_rank(group), dist.get_world_size(group))
+        if not functions.reads_stall_the_device(label_sums):
+            self._check_label_sums(label_sums.tolist(), group, own)
             return
-        host = labels.to("cpu", non_blocking=True, copy=True)
+        host = label_sums.to("cpu", non_blocking=True, copy=True)
         event = None
-        if labels.is_cuda:
+        if label_sums.is_cuda:
             event = torch.cuda.Event()
             event.record()
         if len(self._pending_label_checks) < 8:  # unchecked ones beyond that wait for the earlier ones
-            self._pending_label_checks.append((host, event, group))
+            self._pending_label_checks.append((host, event, group, own))
+
+    def _check_label_sums(self, sums: list[float], group, own: tuple[int, int, int, int]) -> None:
+        check_label_sums(sums, *own, lambda: dist.get_process_group_ranks(group), self._describe_key)
 
     def _check_pending_labels(self) -> None:
         while self._pending_label_checks:
-            host, event, group = self._pending_label_checks[0]
+            host, event, group, own = self._pending_label_checks[0]
             if event is not None and not event.query():
                 return
             self._pending_label_checks.pop(0)
-            check_gathered_labels(host, lambda: dist.get_process_group_ranks(group), self._describe_key)
+            self._check_label_sums(host.tolist(), group, own)
 
 
 class SynchronizedBatchNorm1d(_SynchronizedBatchNorm):

@@ -1,18 +1,18 @@
 """The synchronized path as torch.compile traces it: one graph with the rest of the model.
 
-The eager path (functions.py) is three autograd Functions around an in-place `dist.all_gather`, with
+The eager path (functions.py) is three autograd Functions around in-place `dist.all_reduce`s, with
 per-forward Python objects between them; Dynamo cannot put those in a graph. While torch.compile traces
 a layer (`torch.compiler.is_compiling()`), the layer runs this instead:
 
 * local (mean, M2) from `torch.var_mean` in the statistics dtype, normalization as plain tensor code, so
   autograd (and the compiler's backward) differentiates it all;
-* under torch.distributed, the same row as the eager path (count, mean, M2, layer key, call count; float64)
-  through torch.distributed's functional collectives (`all_gather_single_autograd`: a graph op with a
-  gradient, a reduce-scatter of the rows' gradients in the backward), merged with the eager path's Chan
-  formula (`functions._merge`);
+* under torch.distributed, the same float64 sums as the eager path (`functions.reduce_over_group`: count,
+  sums of the means and second moments, the divergence label), summed over the group by torch.distributed's
+  functional collectives with gradients (a reduce-scatter and an all-gather: graph ops, whose bytes per
+  process do not grow with the world size);
 * the divergence label through two custom ops, opaque to the compiler and run at each call: `next_label`
-  counts the call on the layer (the count the eager path keeps) and makes its (key, count) pair;
-  `check_exchange` checks the gathered labels as the eager path does (at once on CPU; on an accelerator
+  counts the call on the layer (the count the eager path keeps) and makes its label values;
+  `check_exchange` checks the label sums as the eager path does (at once on CPU; on an accelerator
   from an asynchronous copy, at the layer's next call), so a divergence raises the same
   SyncDivergenceError under compile. The ops find their layer by its id in a registry of live layers.
 
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import functions
+from .divergence import LABEL_WIDTH
 
 __all__: list[str] = []
 
@@ -50,60 +51,66 @@ def _layer(layer_id: int):
 
 @torch.library.custom_op(f"{_NAMESPACE}::next_label", mutates_args=())
 def _next_label(like: torch.Tensor, layer_id: int) -> torch.Tensor:
-    """Count the layer's call and return its label (layer key, call count) as float64 on `like`'s device,
-    filled on the device (no host-to-device copy)."""
+    """Count the layer's call and return its label values (divergence.label_values) as float64 on `like`'s
+    device, filled on the device (no host-to-device copy)."""
     layer = _layer(layer_id)
     layer._exchange_calls += 1
-    label = like.new_full((2,), float(layer._sync_key), dtype=torch.float64)
-    label[1] = layer._exchange_calls
-    return label
+    return functions.label_tensor(like, layer._sync_key, layer._exchange_calls, layer._distributed_group())
 
 
 @_next_label.register_fake
 def _(like: torch.Tensor, layer_id: int) -> torch.Tensor:
-    return like.new_empty((2,), dtype=torch.float64)
+    return like.new_empty((LABEL_WIDTH,), dtype=torch.float64)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::check_exchange", mutates_args=())
-def _check_exchange(rows: torch.Tensor, layer_id: int, local_count: int) -> torch.Tensor:
-    """Raise SyncDivergenceError if the processes' labels (the rows' last two columns) differ, and the eager
-    path's ValueError if the whole group has at most one value per channel. Returns a 0 to add to the
-    counts, so that the compiler keeps the op where it is."""
+def _check_exchange(sums: torch.Tensor, layer_id: int, local_count: int) -> torch.Tensor:
+    """Raise SyncDivergenceError if the processes' labels differ (`sums`: the group's count, then its label
+    sums), and the eager path's ValueError if the whole group has at most one value per channel. Returns
+    a 0 to add to the count, so that the compiler keeps the op where it is."""
     layer = _layer(layer_id)
     group = layer._distributed_group()
     layer._check_pending_labels()
-    layer._check_labels(rows[:, -2:], group)
+    layer._check_labels(sums[1:], group, (layer._sync_key, layer._exchange_calls))
     if local_count <= 1:  # as in the eager path, only then is the total read (a host sync on a device)
-        total = int(round(float(rows[:, 0].sum())))
+        total = int(round(float(sums[0])))
         if total <= 1:
             raise layer._too_few_values(total, replicas=1, distributed=True)
-    return rows.new_zeros(())
+    return sums.new_zeros(())
 
 
 @_check_exchange.register_fake
-def _(rows: torch.Tensor, layer_id: int, local_count: int) -> torch.Tensor:
-    return rows.new_zeros(())
+def _(sums: torch.Tensor, layer_id: int, local_count: int) -> torch.Tensor:
+    return sums.new_zeros(())
 
 
-def _all_gather(row: torch.Tensor, group) -> torch.Tensor:
-    """Every process's row, (processes, len(row)), differentiable. Imported here: the functional collectives
-    cost 20 ms to import, which only a compiled layer needs to pay."""
-    from torch.distributed import _functional_collectives
+def _all_reduce(group):
+    """A differentiable sum over the group's processes, as a reduce-scatter and an all-gather (what a ring
+    all-reduce does): each process sends and receives about twice the tensor, whatever the world size.
+    Not the functional `all_reduce`: with a gradient to trace, Inductor's code for it returned wrong sums
+    on CPU (gloo) in torch 2.14.1 where these two are right (the package's test_compile.py catches it). Imported here:
+    the functional collectives cost 20 ms to import, which only a compiled layer needs to pay."""
+    from torch.distributed import _functional_collectives as collectives
 
-    gather = getattr(_functional_collectives, "all_gather_single_autograd", None)
-    if gather is None:  # the older name (torch 2.14 keeps it, deprecated); untested here
-        gather = _functional_collectives.all_gather_tensor_autograd
-    return gather(row, 0, group).view(dist.get_world_size(group), row.numel())
+    # the newer names (torch >= 2.12), else the older ones, which torch 2.14 keeps, deprecated
+    scatter = getattr(collectives, "reduce_scatter_single_autograd", None) or collectives.reduce_scatter_tensor_autograd
+    gather = getattr(collectives, "all_gather_single_autograd", None) or collectives.all_gather_tensor_autograd
+    world = dist.get_world_size(group)
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        size = tensor.numel()
+        padded = torch.nn.functional.pad(tensor, (0, -size % world))  # equal shares
+        return collectives.wait_tensor(gather(scatter(padded, "sum", 0, group), 0, group))[:size]
+    return reduce
 
 
-def _exchange(layer, group, count: int, mean: torch.Tensor, m2: torch.Tensor):
-    """The group's (total count, mean, M2) from this process's, with the layer's label on the wire."""
-    channels = mean.numel()
+def _exchange(layer, group, count: int, mean: torch.Tensor, m2: torch.Tensor, exact: bool):
+    """The group's (total count, mean, M2) from this process's, with the layer's label in the sums."""
     label = _next_label(mean.detach(), id(layer))
-    row = torch.cat([mean.new_full((1,), count, dtype=torch.float64), mean.double(), m2.double(), label])
-    rows = _all_gather(row, group)
-    counts = rows[:, 0] + _check_exchange(rows.detach(), id(layer), count)
-    return functions._merge(counts, rows[:, 1:1 + channels], rows[:, 1 + channels:1 + 2 * channels])
+    total, mean, m2, label_sums = functions.reduce_over_group(count, mean.double(), m2.double(), label, exact,
+                                                              _all_reduce(group))
+    total = total + _check_exchange(torch.cat([total.detach().reshape(1), label_sums.detach()]), id(layer), count)
+    return total, mean, m2
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::refuse_thread_replicas", mutates_args=())
@@ -147,7 +154,7 @@ def forward(layer, input: torch.Tensor, average_factor: float, running_mean: tor
                 raise layer._too_few_values(count, replicas=1, distributed=False)
             total = count
         else:
-            total, mean, m2 = _exchange(layer, group, count, mean, m2)
+            total, mean, m2 = _exchange(layer, group, count, mean, m2, exact=stats_dtype == torch.float64)
             mean, var = mean.to(stats_dtype), (m2 / total).to(stats_dtype)  # as the eager path rounds them
         invstd = torch.rsqrt(var.clamp_min(layer.eps) if clamp else var + layer.eps)
 

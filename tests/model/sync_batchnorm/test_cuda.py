@@ -126,17 +126,21 @@ def test_fused_backward_thread_replicas_uneven_equal_batchnorm_on_concatenated_b
 
 
 def test_divergence_labels_on_cuda_are_checked_from_an_asynchronous_copy_at_the_next_call(monkeypatch):
-    """On CUDA the gathered labels are not read at the exchange (that would wait for the device queue): an
+    """On CUDA the label sums are not read at the exchange (that would wait for the device queue): an
     asynchronous copy is checked at the layer's next synchronized call, which raises naming both layers."""
     from syncseg.model.sync_batchnorm import SyncDivergenceError, name_synchronized_layers
     from syncseg.model.sync_batchnorm import batchnorm as batchnorm_module
+    from syncseg.model.sync_batchnorm.divergence import label_values
 
     model = name_synchronized_layers(nn.Sequential(SynchronizedBatchNorm2d(3), SynchronizedBatchNorm2d(3)))
     monkeypatch.setattr(batchnorm_module.dist, "get_process_group_ranks", lambda group: [0, 1])
-    labels = torch.tensor([[model[0]._sync_key, 1], [model[1]._sync_key, 1]], dtype=torch.float64, device="cuda")
+    monkeypatch.setattr(batchnorm_module.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(batchnorm_module.dist, "get_world_size", lambda group=None: 2)
+    rows = [label_values(model[0]._sync_key, 1, 0, 2), label_values(model[1]._sync_key, 1, 1, 2)]
+    sums = torch.tensor(rows, dtype=torch.float64, device="cuda").sum(0)
     reads = []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or [])
-    model[0]._check_labels(labels, group=None)
+    model[0]._check_labels(sums, None, (model[0]._sync_key, 1))
     monkeypatch.undo()
     monkeypatch.setattr(batchnorm_module.dist, "get_process_group_ranks", lambda group: [0, 1])
     assert reads == [] and len(model[0]._pending_label_checks) == 1
