@@ -7,8 +7,9 @@ How the synchronized path is built (one graph, any topology):
 
 * LocalStats computes per-channel (mean, M2) of its replica in float32 (float64 for float64 input).
 * CombineStats (one node shared by all thread replicas) merges them count-weighted with Chan's formula
-  (stable for large means, exact for uneven batches) and, under torch.distributed, all-gathers the
-  per-process result and merges again.
+  (stable for large means, exact for uneven batches) and, under torch.distributed, reduces the
+  per-process result over the group with all-reduces of float64 sums (`reduce_over_group`), whose size
+  per process does not depend on the world size.
 * Normalize is an eval-mode `F.batch_norm` with the global mean/var, so eps enters exactly as in
   nn.BatchNorm. It saves only its input and the per-channel statistics.
 
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
+
+from .divergence import LABEL_WIDTH, label_values
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics are float64 for float64 input, float32 otherwise (float16/bfloat16 included)."""
@@ -84,14 +87,59 @@ class StatsMessage:
 @dataclass
 class CombineMeta:
     group: Any  # torch.distributed group to merge across, or None
-    # (layer key, call count): two more numbers in the gathered row, so processes that called different
-    # layers at this exchange can tell (divergence.py)
+    # (layer key, call count): carried in the all-reduced sums (divergence.label_values), so processes that
+    # called different layers at this exchange can tell (divergence.py)
     label: tuple[int, int] = (0, 0)
     # filled by CombineStats.forward: values per channel over every replica (an int) and, under
     # torch.distributed, over every process (a 0-dim tensor: reading it would stall the device queue)
     total_count: int | torch.Tensor = 0
     local_count: int = 0
-    gathered_labels: torch.Tensor | None = None  # (processes, 2), under torch.distributed
+    label_sums: torch.Tensor | None = None  # (LABEL_WIDTH,), the group's label sums, under torch.distributed
+
+
+def label_tensor(like: torch.Tensor, key: int, call: int, group) -> torch.Tensor:
+    """This process's divergence label values (divergence.label_values) as float64 on `like`'s device, filled
+    on the device (no host-to-device copy)."""
+    values = label_values(key, call, dist.get_rank(group), dist.get_world_size(group))
+    label = like.new_empty(len(values), dtype=torch.float64)
+    for i, value in enumerate(values):
+        label[i] = float(value)
+    return label
+
+
+def reduce_over_group(count: int | torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, label: torch.Tensor,
+                      exact: bool, all_reduce) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The group's (count, mean, M2) from this process's float64 (count, mean, M2), and the group's label
+    sums, through `all_reduce(tensor) -> summed tensor` (eager: dist.all_reduce; compiled: a functional
+    collective with a gradient). Every process sends and receives the same bytes whatever the world size.
+
+    exact=False (statistics in float32: float32, float16 and bfloat16 input): one all-reduce of
+    [count, n * mean, M2 + n * mean^2, label]; M2 = sum - N * mean^2 loses about eps64 * (mean / std)^2
+    relatively (1e-8 at mean/std = 1e4), below the float32 rounding of the result.
+    exact=True (float64 input): two all-reduces, [count, n * mean, label] for the mean, then
+    M2 + n * (mean_i - mean)^2: Chan's merge term by term, exact at any mean/std as the float64 path was.
+    """
+    channels = mean.numel()
+    n = count if isinstance(count, torch.Tensor) else mean.new_full((1,), float(count))
+    n = n.reshape(1).to(mean.dtype)
+    if exact:
+        first = all_reduce(torch.cat([n, mean * n, label]))
+        total = first[0]
+        global_mean = first[1:1 + channels] / total
+        global_m2 = all_reduce(m2 + (mean - global_mean).square() * n)
+    else:
+        first = all_reduce(torch.cat([n, mean * n, m2 + mean.square() * n, label]))
+        total = first[0]
+        global_mean = first[1:1 + channels] / total
+        global_m2 = (first[1 + channels:1 + 2 * channels] - first[1:1 + channels] * global_mean).clamp_min(0)
+    return total, global_mean, global_m2, first[-LABEL_WIDTH:]
+
+
+def _eager_all_reduce(group):
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    return reduce
 
 
 def reads_stall_the_device(tensor: torch.Tensor) -> bool:
@@ -185,18 +233,12 @@ class CombineStats(Function):
         total, mean, m2 = _merge_local(counts, stacked[:, 0].double(), stacked[:, 1].double())
         meta.local_count = total
         if meta.group is not None:
-            # the count travels in the gathered row, so no process needs the others' counts on the host;
-            # the label (layer key, call count) ends it (fills on the device, no host-to-device copy)
-            label = mean.new_full((2,), float(meta.label[0]))
-            label[1] = meta.label[1]
-            row = torch.cat([mean.new_full((1,), float(total)), mean, m2, label])
-            rows = [torch.empty_like(row) for _ in range(dist.get_world_size(meta.group))]
-            dist.all_gather(rows, row, group=meta.group)
-            gathered = torch.stack(rows)
-            channels = mean.numel()
-            meta.gathered_labels = gathered[:, 1 + 2 * channels :]
-            total, mean, m2 = _merge(gathered[:, 0], gathered[:, 1 : 1 + channels],
-                                     gathered[:, 1 + channels : 1 + 2 * channels])
+            # the count travels in the sums, so no process needs the others' counts on the host; the label
+            # (layer key, call count) ends them
+            label = label_tensor(mean, *meta.label, meta.group)
+            total, mean, m2, meta.label_sums = reduce_over_group(
+                total, mean, m2, label, exact=stacked.dtype == torch.float64,
+                all_reduce=_eager_all_reduce(meta.group))
         meta.total_count = total
         result = torch.stack([mean, m2 / total]).to(stacked.dtype)  # (2, C): mean, biased var
         ctx.devices = devices
@@ -234,10 +276,12 @@ class Normalize(Function):
         input, weight, mean, var = ctx.saved_tensors
         invstd = torch.rsqrt(var + ctx.eps)
         gamma = weight if weight is not None else torch.ones_like(mean)
-        # One fused pass: sum(dy * x_hat) and sum(dy) per channel, with the *global* mean/invstd.
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            grad_output, input, gamma, None, None, mean, invstd, True, ctx.eps, [False, True, True]
-        )
+        if input.numel() == 0:  # an empty share adds nothing (and the CPU kernel divides by 0: SIGFPE, torch 2.14)
+            sum_dy_xhat, sum_dy = torch.zeros_like(mean), torch.zeros_like(mean)
+        else:  # one fused pass: sum(dy * x_hat) and sum(dy) per channel, with the *global* mean/invstd
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                grad_output, input, gamma, None, None, mean, invstd, True, ctx.eps, [False, True, True]
+            )
         grad_stats = None
         if ctx.needs_input_grad[1]:
             ctx.handoff.grad_output = grad_output

@@ -183,3 +183,10 @@ def test_matches_plain_autograd_reimplementation():
     torch.autograd.backward(run_replicas(replicas, chunks), list(upstream.split([2, 3])))
     assert_close(torch.cat([c.grad for c in chunks]), x_ref.grad, dtype, "input grad")
     assert_close(replicas[0].running_var, reimpl.running_var, dtype, "running_var")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_replica_with_an_empty_share_adds_nothing_and_survives_the_backward(dtype):
+    """A replica (or process) whose share of the batch is empty: torch 2.14's CPU batch-norm backward kernel
+    divides by zero on an empty input (SIGFPE, the whole process dies); the synchronized layer skips it."""
+    run_steps_against_reference([3, 0, 2], dtype, steps=2)
