@@ -47,16 +47,41 @@ def step_normalizer(criterion: SegmentationLoss, masks: Sequence[torch.Tensor]) 
     return total
 
 
+def per_device_batch(global_batch: int, *, accumulate: int, num_replicas: int) -> str:
+    """The devices' shares of a (micro-)batch, for the log: "4" when even, "3,3,2" per device when uneven,
+    the distinct sizes ("2,1") when accumulating unevenly."""
+    micro = split_batch(global_batch, accumulate)
+    shares = [share for size in micro for share in split_batch(size, num_replicas)]
+    if len(set(shares)) == 1:
+        return f"{shares[0]}"
+    if accumulate == 1:
+        return ",".join(map(str, shares[:num_replicas]))
+    return ",".join(map(str, sorted(set(shares), reverse=True)))
+
+
 def describe_batches(global_batch: int, *, accumulate: int, num_replicas: int, batch_norm: str) -> str:
     """For the log: `global batch 16, per-device batch 4; BN statistics <batch_norm>`, with the
     micro-batches (and BN statistics "per micro-batch") when accumulating."""
-    micro = split_batch(global_batch, accumulate)
-    shares = [share for size in micro for share in split_batch(size, num_replicas)]
-    per_device = f"{shares[0]}" if len(set(shares)) == 1 else ",".join(map(str, shares[:num_replicas]))
+    per_device = per_device_batch(global_batch, accumulate=accumulate, num_replicas=num_replicas)
     if accumulate == 1:
         return f"global batch {global_batch}, per-device batch {per_device}; BN statistics {batch_norm}"
+    micro = split_batch(global_batch, accumulate)
     sizes = f"{micro[0]}" if len(set(micro)) == 1 else ",".join(map(str, micro))
-    if len(set(shares)) > 1:
-        per_device = ",".join(map(str, sorted(set(shares), reverse=True)))
     return (f"global batch {global_batch} in {accumulate} accumulated micro-batches of {sizes}, per-device "
             f"batch {per_device}; BN statistics per micro-batch, {batch_norm}")
+
+
+def describe_world_change(saved_world_size: int, world_size: int, *, global_batch: int, accumulate: int,
+                          num_replicas: int, global_statistics: bool) -> str:
+    """For the log of a resume by another number of processes than saved the checkpoint: what changes (the
+    per-device batch, the processes' random streams) and what does not (the global batches, their order and
+    augmentation; with `global_statistics`, BatchNorm synchronized over every device, the statistics)."""
+    now = per_device_batch(global_batch, accumulate=accumulate, num_replicas=num_replicas)
+    was = per_device_batch(global_batch, accumulate=accumulate, num_replicas=saved_world_size)
+    statistics = ("BN statistics still those of the whole (micro-)batch" if global_statistics else
+                  "BN statistics per device or sync group, now of other samples, so the steps differ from an "
+                  "unchanged world size's")
+    return (f"resumed from world size {saved_world_size} at world size {world_size}: per-device batch {now} (was "
+            f"{was}), global batch {global_batch} unchanged; data order unchanged (the same global order of samples "
+            f"and per-sample augmentation seeds); {statistics}; each process's random streams (dropout) reseeded "
+            "from (train.seed, rank, iteration)")

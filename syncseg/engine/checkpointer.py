@@ -83,13 +83,11 @@ class Checkpointer:
             logger.info("saved %s at iteration %d", " and ".join(names), state["iteration"])
         barrier()
 
-    def restore_rng(self, rng: Mapping[str, Any], *, reseed: int) -> None:
-        """This process's RNG state from a checkpoint's `rng`; when it was saved by a different number of
-        processes, torch is seeded with `reseed` instead (with a warning)."""
+    def restore_rng(self, rng: Mapping[str, Any]) -> bool:
+        """This process's RNG state from a checkpoint's `rng`; False, restoring nothing, when it was saved by
+        a different number of processes (the caller reseeds: syncseg.engine.trainer.Trainer.load_state_dict)."""
         states = rng.get("per_rank") or []
-        if len(states) == self.dist.world_size:
-            restore_rng_state(states[self.dist.rank])
-        else:
-            logger.warning("checkpoint RNG states are for %d process(es), this run has %d: reseeding",
-                           len(states), self.dist.world_size)
-            torch.manual_seed(reseed)
+        if len(states) != self.dist.world_size:
+            return False
+        restore_rng_state(states[self.dist.rank])
+        return True

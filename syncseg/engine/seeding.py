@@ -23,11 +23,13 @@ def mix_seed(*values: Any) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def seed_process(seed: int, rank: int) -> None:
-    """Seed torch, python and numpy for training process `rank` (its own streams, e.g. for dropout)."""
-    torch.manual_seed(mix_seed(seed, "train", rank))
-    random.seed(mix_seed(seed, "python", rank))
-    np.random.seed(mix_seed(seed, "numpy", rank) % 2**32)
+def seed_process(seed: int, rank: int, *, iteration: int | None = None) -> None:
+    """Seed torch, python and numpy for training process `rank` (its own streams, e.g. for dropout); with
+    `iteration`, streams of their own for a resume that cannot restore the saved ones (another world size)."""
+    at = () if iteration is None else (iteration,)
+    torch.manual_seed(mix_seed(seed, "train", rank, *at))
+    random.seed(mix_seed(seed, "python", rank, *at))
+    np.random.seed(mix_seed(seed, "numpy", rank, *at) % 2**32)
 
 
 class SeededDataset(Dataset):

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from syncseg.data.transforms import normalize_batch
-from syncseg.engine.accumulation import gradient_sync, step_normalizer
+from syncseg.engine.accumulation import describe_world_change, gradient_sync, step_normalizer
 from syncseg.engine.build import TrainingParts, build_training
 from syncseg.engine.checkpoint import FORMAT_VERSION
 from syncseg.engine.checkpointer import Checkpointer, non_finite_error
@@ -31,9 +31,10 @@ from syncseg.engine.optim import load_optimizer_state
 from syncseg.engine.precise_bn import precise_batch_norms
 from syncseg.engine.reporting import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
 from syncseg.engine.samplers import shutdown_workers, train_steps
-from syncseg.engine.seeding import mix_seed, seed_process
+from syncseg.engine.seeding import seed_process
 from syncseg.engine.signals import StopRequest
 from syncseg.engine.visualize import prediction_grid
+from syncseg.model.norm import synchronizes_statistics
 from syncseg.model.weights import load_model_weights
 
 logger = logging.getLogger(__name__)
@@ -323,8 +324,25 @@ class Trainer:
         self.best_miou = best_after_decay_change(saved.train.ema_decay, self.config.train.ema_decay,
                                                  float(state["best_miou"]))
         self.validation_due = bool(state.get("validation_due", False))
-        self.checkpointer.restore_rng(state["rng"], reseed=mix_seed(self.config.train.seed, "train", self.dist.rank,
-                                                                    self.iteration))
+        if not self.checkpointer.restore_rng(state["rng"]):
+            self._reseed_for_world_size(len(state["rng"].get("per_rank") or []))
+
+    def _reseed_for_world_size(self, saved_world_size: int) -> None:
+        """A resume by another number of processes: the saved random streams cannot be dealt out, so each
+        process's come from (train.seed, rank, iteration); the data order does not depend on them."""
+        seed_process(self.config.train.seed, self.dist.rank, iteration=self.iteration)
+        if not self.dist.is_main:
+            return
+        if saved_world_size < 1:
+            logger.warning("the checkpoint holds no RNG states: each process's random streams reseeded from "
+                           "(train.seed, rank, iteration)")
+            return
+        model_cfg, train_cfg = self.config.model, self.config.train
+        global_statistics = self.dist.num_replicas == 1 or (  # as build.describe tells synchronized BN apart
+            synchronizes_statistics(model_cfg.norm) and model_cfg.syncbn_group_size in (0, self.dist.world_size))
+        logger.info(describe_world_change(
+            saved_world_size, self.dist.world_size, global_batch=train_cfg.batch_size, accumulate=train_cfg.accumulate,
+            num_replicas=self.dist.num_replicas, global_statistics=global_statistics))
 
     def save(self, names: list[str]) -> None:
         """Write run_dir/<name> for each name (syncseg.engine.checkpointer.Checkpointer.save; every process calls it).

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncseg.engine.accumulation import describe_batches, step_normalizer
+from syncseg.engine.accumulation import describe_batches, describe_world_change, step_normalizer
 from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
@@ -108,6 +108,15 @@ def test_describe_batches_states_micro_batches_and_per_micro_batch_statistics():
         "global batch 16 in 2 accumulated micro-batches of 8, per-device batch 4; BN statistics per micro-batch, synced")
     assert "micro-batches of 4,3,3, per-device batch 2,1;" in describe_batches(10, accumulate=3, num_replicas=2,
                                                                                  batch_norm="synced")
+
+
+def test_describe_world_change_states_the_new_split_and_what_stays():
+    line = describe_world_change(4, 3, global_batch=8, accumulate=1, num_replicas=3, global_statistics=True)
+    assert line.startswith("resumed from world size 4 at world size 3: per-device batch 3,3,2 (was 2), global batch "
+                           "8 unchanged; data order unchanged (the same global order of samples")
+    assert "BN statistics still those of the whole (micro-)batch" in line and "(train.seed, rank, iteration)" in line
+    per_device = describe_world_change(2, 4, global_batch=16, accumulate=2, num_replicas=4, global_statistics=False)
+    assert "per-device batch 2 (was 4)" in per_device and "steps differ from an unchanged world size's" in per_device
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """build_training: the parts a Trainer runs, each built once from the config."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from syncseg.engine.build import build_training
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.samplers import train_steps
+from syncseg.engine.seeding import capture_rng_state, mix_seed
 from syncseg.engine.trainer import Trainer
 
 TINY = [
@@ -61,7 +64,7 @@ def test_trainer_state_round_trips_through_load_state_dict(tmp_path):
     first = Trainer.from_config(config, DistInfo(), progress=False)
     first.fit(stop_at=2)
     state = first.state_dict()
-    state["rng"] = {"per_rank": []}  # another process count: reseeded (a warning), not restored
+    state["rng"] = {"per_rank": []}  # no RNG states to restore: reseeded (a warning)
     first.close()
     second = Trainer(build_training(config, DistInfo(), init_weights=False), resume=state, progress=False)
     assert second.iteration == 2 and second.parts.scheduler.iteration == 2
@@ -69,4 +72,22 @@ def test_trainer_state_round_trips_through_load_state_dict(tmp_path):
         assert torch.equal(tensor, state["model"][name]), name
     assert second.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
     assert second.state_dict()["iteration"] == 2 and second.state_dict()["best_miou"] == state["best_miou"]
+    second.close()
+
+
+def test_a_resume_by_another_world_size_reseeds_and_says_what_changed(tmp_path, caplog):
+    """RNG states saved by 2 processes cannot be dealt out to 1: its streams come from (seed, rank, iteration),
+    and one INFO line says what the new split changes and keeps."""
+    config = load_config("demo.yaml", [f"output_dir={tmp_path}", *TINY, "train.amp=off"])
+    first = Trainer.from_config(config, DistInfo(), progress=False)
+    state = first.state_dict()
+    first.close()
+    state["iteration"] = 3
+    state["rng"] = {"per_rank": [capture_rng_state(), capture_rng_state()]}
+    with caplog.at_level(logging.INFO, logger="syncseg.engine.trainer"):
+        second = Trainer(build_training(config, DistInfo(), init_weights=False), resume=state, progress=False)
+    assert torch.initial_seed() == mix_seed(config.train.seed, "train", 0, 3)
+    assert ("resumed from world size 2 at world size 1: per-device batch 4 (was 2), global batch 4 unchanged; data "
+            "order unchanged") in caplog.text
+    assert "BN statistics still those of the whole (micro-)batch" in caplog.text
     second.close()

@@ -1,0 +1,145 @@
+"""A run saved at one world size and resumed at another trains as one process on the same global batches.
+
+One float64 run of 6 iterations on one process is compared with a chain of torchrun (gloo, CPU) launches
+over one run dir: 4 processes for iterations 1-2, resumed by 3 processes for 3-4 (4 -> 3), then by 4
+again for 5-6 (3 -> 4). The global batch of 8 is split 2,2,2,2 and 3,3,2; with 24 samples an epoch is
+3 steps, so the resumes land mid-epoch and the 3-process leg crosses an epoch boundary. With
+`model.norm=syncbn` every step normalizes with the statistics of the global batch, so the losses, the
+final weights and the BatchNorm running statistics match the single process's (float64: tests/float64.py;
+dropout disabled, as in test_train_ddp: its masks come from per-process random streams).
+
+Run as a module (under torchrun or alone), this file trains like test_train_ddp's, but through the run
+plan, so `--resume auto` decides as train.py does: `python -m tests.e2e.test_elastic_resume OUTPUT STOP_AT
+KEY=VALUE...` trains up to STOP_AT (saving last.pt there) and writes that launch's losses as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.common import ROOT
+from tests.e2e.test_train_ddp import TINY, TOLERANCE, _env
+
+ITERS = 6
+ELASTIC = [*TINY, "model.norm=syncbn", "data.synthetic_train_size=24", "train.batch_size=8", f"train.iters={ITERS}",
+           "train.val_interval=1000", "train.ckpt_interval=1000"]
+TIMEOUT = 240  # seconds per launch; each takes 15-40 s on 2 shared CPU cores
+
+
+def _launch(run_dir: Path, output: Path, *, processes: int, stop_at: int) -> tuple[dict, str]:
+    arguments = ["--module", "tests.e2e.test_elastic_resume", str(output), str(stop_at), f"output_dir={run_dir}",
+                 *ELASTIC]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    command = [*launcher, *arguments] if processes > 1 else [sys.executable, "-m", *arguments[1:]]
+    process = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert process.returncode == 0, process.stderr[-4000:]
+    return json.loads(output.read_text()), process.stderr
+
+
+def _final_model(path: Path) -> tuple[dict, dict]:
+    """(the BatchNorm buffers, the whole state dict) of the model saved in `path` at the last iteration."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert state["iteration"] == ITERS
+    return {name: tensor for name, tensor in state["model"].items()
+            if name.endswith(("running_mean", "running_var", "num_batches_tracked"))}, state["model"]
+
+
+@pytest.mark.slow
+def test_a_run_saved_at_four_processes_resumed_at_three_and_back_equals_one_process(tmp_path):
+    started = time.monotonic()
+    single, _ = _launch(tmp_path / "single", tmp_path / "single.json", processes=1, stop_at=ITERS)
+    run_dir = tmp_path / "elastic"
+    legs = [(4, 2), (3, 4), (4, ITERS)]  # (processes, stop at): 4 -> 3 -> 4
+    losses, logs = {}, []
+    for index, (processes, stop_at) in enumerate(legs):
+        leg, log = _launch(run_dir, tmp_path / f"leg{index}.json", processes=processes, stop_at=stop_at)
+        losses.update(leg["losses"])
+        logs.append(log)
+    print(f"\nelastic resume test: {time.monotonic() - started:.0f} s for one 1-process and three torchrun launches")
+
+    steps = [str(step) for step in range(1, ITERS + 1)]
+    assert sorted(losses, key=int) == sorted(single["losses"], key=int) == steps
+    differences = {step: abs(losses[step] - single["losses"][step]) for step in steps}
+    print("elastic resume test: |loss difference| per step:",
+          ", ".join(f"{step}: {value:.1e}" for step, value in differences.items()))
+    assert max(differences.values()) <= TOLERANCE, differences
+    assert len(set(single["losses"].values())) == ITERS  # the steps train: a stuck loss would compare trivially
+
+    # the final model: the BatchNorm running statistics (the global batches') and every other tensor
+    single_bn, single_model = _final_model(tmp_path / "single" / "last.pt")
+    elastic_bn, elastic_model = _final_model(run_dir / "last.pt")
+    assert single_bn.keys() == elastic_bn.keys() and len(single_bn) > 10
+    assert elastic_model.keys() == single_model.keys()
+    for name, tensor in single_model.items():
+        other = elastic_model[name]
+        assert other.dtype == tensor.dtype, name
+        if tensor.is_floating_point():
+            torch.testing.assert_close(other, tensor, atol=TOLERANCE, rtol=0, msg=name)
+        else:
+            assert torch.equal(other, tensor), name
+
+    def largest_difference(names) -> float:
+        return max(float((elastic_model[name] - single_model[name]).abs().max()) for name in names)
+
+    statistics = [name for name in single_bn if single_bn[name].is_floating_point()]
+    weights = [name for name, tensor in single_model.items() if tensor.is_floating_point() and name not in single_bn]
+    print(f"elastic resume test: largest difference of the weights {largest_difference(weights):.1e}, of the "
+          f"BatchNorm running statistics {largest_difference(statistics):.1e}")
+    assert all(int(single_bn[name]) == ITERS for name in single_bn if name.endswith("num_batches_tracked"))
+
+    # the launches resumed, and rank 0 said what the new world size changes
+    assert "DDP over 4 processes; global batch 8, per-device batch 2; BN statistics across the processes" in logs[0]
+    assert "resuming" not in logs[0]
+    assert f"resuming {run_dir / 'last.pt'} at iteration 2" in logs[1]
+    assert f"resuming {run_dir / 'last.pt'} at iteration 4" in logs[2]
+    assert "resumed from world size 4 at world size 3: per-device batch 3,3,2 (was 2)" in logs[1]
+    assert "resumed from world size 3 at world size 4: per-device batch 2 (was 3,3,2)" in logs[2]
+    for log in logs[1:]:
+        assert "global batch 8 unchanged; data order unchanged (the same global order of samples" in log
+        assert "BN statistics still those of the whole (micro-)batch" in log
+
+
+def main(argv: list[str]) -> int:
+    import logging
+
+    from torch import nn
+
+    from syncseg.engine.distributed import cleanup, setup_distributed
+    from syncseg.engine.run_plan import plan_run
+    from syncseg.engine.trainer import Trainer
+    from tests.float64 import trainers_in_float64
+
+    output, stop_at, overrides = Path(argv[0]), int(argv[1]), argv[2:]
+    info = setup_distributed(None if "WORLD_SIZE" in os.environ else "cpu")
+    logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING)
+    plan = plan_run("demo.yaml", "auto", overrides, dist_info=info)
+    trainer = None
+    try:
+        with trainers_in_float64():
+            trainer = Trainer.from_config(plan.config, info, resume=plan.resume, run_id=plan.run_id,
+                                          overrides=plan.overrides, progress=False)
+        plan.resume = None
+        for module in trainer.model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        result = trainer.fit(stop_at=stop_at)
+        if info.is_main:
+            output.write_text(json.dumps({"losses": {str(k): v for k, v in result.losses.items()}}))
+    finally:
+        if trainer is not None:
+            trainer.close()
+        del trainer
+        plan.release()
+    cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
