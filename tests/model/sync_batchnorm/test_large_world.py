@@ -1,7 +1,8 @@
 """Synchronized BatchNorm at a large world size: 16 gloo processes on this machine (one thread each).
 
 One spawn runs, in every process: a float64 step with uneven and empty shares against nn.BatchNorm2d on the
-concatenated batch; float32 input with mean 1e4 against a float64 recomputation; sync groups of 4 against
+concatenated batch; float32 input with mean 1e4 against a float64 recomputation, float64 input with mean 1e6
+against nn.BatchNorm2d; sync groups of 4 against
 each group's own concatenated batch (what four independent 4-rank runs give: test_distributed.py shows a
 run equals nn.BatchNorm on its batch); one rank calling a layer an extra time, named on every rank within
 5 s; and one rank killed (SIGKILL) in the middle of an exchange, which ends every other rank within the
@@ -72,6 +73,8 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     # float32 input, mean 1e4 and std 1
     big, _ = batch(torch.float32, offset=1e4, scale=1.0, seed=6)
     results["big"] = SynchronizedBatchNorm2d(CHANNELS, affine=False)(share(big, rank)).detach()
+    huge, _ = batch(offset=1e6, scale=1.0, seed=7)  # float64 input at mean/std 1e6: the exact two-round merge
+    results["huge"] = SynchronizedBatchNorm2d(CHANNELS, affine=False).double()(share(huge, rank)).detach()
     # sync groups of GROUP_SIZE
     own_group, _ = dist.new_subgroups(group_size=GROUP_SIZE)
     grouped = layer(SynchronizedBatchNorm2d, process_group=own_group)
@@ -147,6 +150,10 @@ def test_sixteen_gloo_processes_equal_batchnorm_name_a_divergence_and_end_on_a_k
     mean, var = big64.mean((0, 2, 3), keepdim=True), big64.var((0, 2, 3), unbiased=False, keepdim=True)
     torch.testing.assert_close(torch.cat([r["big"] for r in results]).double(), (big64 - mean) / (var + 1e-5).sqrt(),
                                rtol=0, atol=2e-3)  # float32 input at mean/std 1e4: its own rounding, 1e4 * 6e-8
+
+    huge, _ = batch(offset=1e6, scale=1.0, seed=7)
+    torch.testing.assert_close(torch.cat([r["huge"] for r in results]),
+                               nn.BatchNorm2d(CHANNELS, affine=False).double()(huge), rtol=0, atol=1e-9)
 
     for group in range(WORLD // GROUP_SIZE):
         ranks = range(group * GROUP_SIZE, (group + 1) * GROUP_SIZE)
