@@ -35,6 +35,16 @@ def test_parts_follow_the_config(tmp_path):
     steps.close()
 
 
+def test_training_sets_its_precisions_tf32_flags_process_wide(tmp_path, monkeypatch):
+    """The backward runs outside autocast_for, so build_training sets train.amp's TF32 choice for the process."""
+    from syncseg.engine import build
+
+    applied = []
+    monkeypatch.setattr(build, "apply_fp32_precision", lambda chosen, device: applied.append((chosen, device.type)))
+    _parts(tmp_path, "train.amp=tf32")
+    assert applied == [("off", "cpu")]  # a CPU has no TF32: it runs (and logs) as fp32
+
+
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_channels_last_is_the_model_builders_alone(tmp_path, channels_last):
     """build_model converts the weights and DeepLab the input; the trainer converts nothing, and a step
