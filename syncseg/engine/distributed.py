@@ -25,6 +25,14 @@ from syncseg.model.sync_batchnorm import DataParallelWithCallback, synchronized_
 
 logger = logging.getLogger(__name__)
 
+# What NCCL's watchdog does when a collective fails or times out, read when an NCCL group is made. torchrun
+# sets 1 (abort the communicators and kill the process; torch's own default, 3, kills it too). A hung peer
+# then killed each process at NCCL's timeout, before the gloo stop agreement (the same dist.timeout_s, started
+# a little later) could raise the one-line "lost contact" error. 2 aborts the communicators and leaves the
+# process to report: the agreement, which waits on a CPU tensor, raises and train.py exits 1 with that line.
+NCCL_ERROR_HANDLING_VARIABLE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERROR_HANDLING_CLEAN_UP_ONLY = "2"
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -185,6 +193,12 @@ def setup_distributed(gpus: str | None, *, timeout_s: float = 300.0, launch: Lau
         # torch's own default pairing, so agreeing on a stop never waits for the GPU
         backend, device_ids = "cpu:gloo,cuda:nccl", (local_rank,)
         options["device_id"] = device  # NCCL binds its communicator to this GPU at once
+        previous = os.environ.get(NCCL_ERROR_HANDLING_VARIABLE)
+        os.environ[NCCL_ERROR_HANDLING_VARIABLE] = NCCL_ERROR_HANDLING_CLEAN_UP_ONLY
+        if previous not in (None, NCCL_ERROR_HANDLING_CLEAN_UP_ONLY):
+            logger.info("%s=%s (was %s): a failed or timed-out NCCL collective aborts the communicators but "
+                        "leaves the process to report a lost peer in one line and exit 1",
+                        NCCL_ERROR_HANDLING_VARIABLE, NCCL_ERROR_HANDLING_CLEAN_UP_ONLY, previous)
     else:
         device, backend, device_ids = torch.device("cpu"), "gloo", ()
     if not dist.is_initialized():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import time
 import warnings
 
@@ -296,3 +297,28 @@ def test_four_gloo_ranks_in_groups_of_two_reduce_within_their_group(tmp_path):
         group = results[first:first + 2]
         expected = nn.BatchNorm2d(3).double()(torch.cat([r["x"] for r in group]))
         torch.testing.assert_close(torch.cat([r["y"] for r in group]), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_nccl_leaves_a_hung_peer_to_the_one_line_error(monkeypatch):
+    """torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1: NCCL's watchdog then killed the process at the step's
+    timed-out all-reduce, queued before the gloo stop agreement with the same dist.timeout_s, so the
+    documented 'lost contact' line and exit 1 never came. The variable is read when the NCCL group is made:
+    it must say 2 (abort the communicators, keep the process) by then. The process-group call is faked."""
+    _fake_cuda(monkeypatch, 2)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun's agent sets it
+    seen = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda **kw: seen.append((kw["backend"], os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    setup_distributed(None, timeout_s=20)
+    assert seen == [("cpu:gloo,cuda:nccl", "2")]
+
+
+def test_gloo_alone_leaves_the_nccl_variable_alone(monkeypatch):
+    _fake_cuda(monkeypatch, 0)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    _as_torchrun_rank_1_of_2(monkeypatch)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
