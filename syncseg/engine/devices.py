@@ -157,6 +157,19 @@ def autocast_for(device: torch.device, precision: str) -> Iterator[None]:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
+@contextlib.contextmanager
+def cudnn_autotuning(enabled: bool) -> Iterator[None]:
+    """cuDNN's autotuning (`torch.backends.cudnn.benchmark`) set to `enabled` inside, restored on exit. The
+    flag is process-wide: training turns it on for its one crop size (distributed.wrap_for_training), and
+    each input size it sees is timed over every algorithm once."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
 def parse_gpus(gpus: str) -> tuple[int, ...]:
     """`"0,1,3"` -> (0, 1, 3). Raises ValueError naming the value when it is not a list of ids."""
     parts = [p.strip() for p in gpus.split(",") if p.strip()]

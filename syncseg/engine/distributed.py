@@ -237,7 +237,8 @@ def _single_process(gpus: str | None) -> DistInfo:
 def wrap_for_training(model: nn.Module, dist_info: DistInfo) -> nn.Module:
     """The module train steps call: DistributedDataParallel under torchrun/srun, DataParallelWithCallback
     over several --gpus, else `model` itself. On CUDA, cudnn picks its fastest kernels (the crops have
-    one size, so the search runs once)."""
+    one size, so the search runs once; validation autotunes only the sizes that come back:
+    syncseg.engine.evaluate)."""
     if dist_info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     if dist_info.mode == "ddp":
