@@ -80,3 +80,34 @@ def test_trainer_state_round_trips_through_load_state_dict(tmp_path):
     assert second.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
     assert second.state_dict()["iteration"] == 2 and second.state_dict()["best_miou"] == state["best_miou"]
     second.close()
+
+
+def test_a_bad_mask_value_stops_training_before_the_batch_reaches_the_device(tmp_path, monkeypatch):
+    """The loss checks mask values only where that costs no host synchronization, so on CUDA a value outside
+    the classes reached cross-entropy as a device-side assert (every later CUDA call fails). The loss is made
+    to skip its check as on CUDA; the batch must be refused on the CPU, before the model runs, with the
+    loss's own one-line error."""
+    from syncseg.engine import loss
+
+    monkeypatch.setattr(loss, "mask_check_is_free", lambda device: False, raising=False)  # as on CUDA
+    config = load_config("demo.yaml", [f"output_dir={tmp_path}", *TINY, "train.amp=off", "train.val_interval=100",
+                                       "train.ckpt_interval=100", "train.precise_bn_batches=0"])
+    trainer = Trainer.from_config(config, DistInfo(), progress=False)
+    dataset_class = type(trainer.parts.train_set)
+    original = dataset_class.__getitem__
+
+    def with_a_bad_value(self, index):
+        image, mask = original(self, index)
+        mask = mask.clone()
+        mask[0, 0] = 9  # the demo has 6 classes
+        return image, mask
+
+    monkeypatch.setattr(dataset_class, "__getitem__", with_a_bad_value)
+    forwards = []
+    trainer.model.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"^mask value 9 is not a class index in 0\.\.5 nor ignore_index=255$"):
+            trainer.fit(stop_at=1)
+    finally:
+        trainer.close()
+    assert forwards == []  # refused in the loader, not by the loss after the forward
