@@ -243,10 +243,7 @@ def wrap_for_training(model: nn.Module, dist_info: DistInfo) -> nn.Module:
         torch.backends.cudnn.benchmark = True
     if dist_info.mode == "ddp":
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
-        # buffers are not broadcast from rank 0 before each forward: synchronized BN keeps them equal, and
-        # with plain BN each process keeps its own statistics
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                                   **no_buffer_sync_option(nn.parallel.DistributedDataParallel))
+        return distributed_data_parallel(model, device_ids=device_ids)
     if dist_info.num_replicas > 1:
         return DataParallelWithCallback(model, device_ids=list(dist_info.device_ids))
     return model
@@ -270,6 +267,18 @@ def assign_sync_groups(model: nn.Module, dist_info: DistInfo, *, group_size: int
     first = dist_info.rank - dist_info.rank % group_size
     logger.info("synchronized BatchNorm reduces within groups of %d processes (this one: ranks %d-%d)",
                 group_size, first, first + group_size - 1)
+
+
+def distributed_data_parallel(model: nn.Module, *, device_ids: list[int] | None,
+                              ddp_class: type | None = None) -> nn.Module:
+    """`model` in DistributedDataParallel (`ddp_class`, default torch's, looked up when called), built with
+    keywords every supported torch takes: `device_ids`, `gradient_as_bucket_view=True` (gradients are views
+    into the all-reduce buckets: one copy less) and no buffer broadcast before each forward
+    (no_buffer_sync_option: synchronized BN keeps the buffers equal, and with plain BN each process keeps
+    its own statistics). The one place a DDP is built, so the keywords are checked against each signature
+    in one test."""
+    ddp_class = ddp_class or nn.parallel.DistributedDataParallel
+    return ddp_class(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync_option(ddp_class))
 
 
 def no_buffer_sync_option(ddp_class: type) -> dict[str, bool]:
