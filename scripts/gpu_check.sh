@@ -1,45 +1,73 @@
 #!/usr/bin/env bash
-# GPU checks for a borrowed GPU machine whose image ships its own torch (docs/maintainers.md "GPU check"): every CUDA
-# test, a short GPU training run (two processes with 2 GPUs) and the CUDA benchmarks, bounded in time
-# (7.5 minutes in all) and in the files it leaves (the 8 named in the usage).
+# GPU checks for a borrowed GPU machine whose image ships its own torch (docs/maintainers.md "GPU check"): what one
+# GPU can show, the most informative first: every precision path in short trainings (fp16 with a GradScaler and
+# the fused optimizer resumed from an unfused checkpoint, bf16 in channels-last, fp32 without TF32 stopped by
+# SIGTERM), a bad mask value, two processes and two DataParallel replicas on the one GPU, the synchronized
+# layers compiled, validation of varied sizes with and without cuDNN autotuning, every CUDA test, then the CUDA
+# benchmarks; bounded in time (7.5 minutes in all) and in the files it leaves (the 8 named in the usage).
 # Written for the image as it is: the runtime requirements it lacks (albumentations and its closure) are
 # installed offline from the wheels that scripts/gpu_wheels.py downloaded beforehand; each step runs in a
-# process of its own under `timeout`, so an import error, a crash or a hang costs that step alone.
+# process of its own under `timeout`, so an import error, a crash or a hang costs that step alone. The Python
+# steps are scripts/gpu_probes.py's subcommands.
 set -uo pipefail
 
 usage() {
   cat <<'EOF_USAGE'
 usage: scripts/gpu_check.sh OUTPUT_DIR [--dry-run] [--wheels DIR]
 
-Runs, each step under its own timeout and all within 7.5 minutes (a step that fails or times out is
-recorded and the next one runs):
-  environment   date, nvidia-smi, Python, torch and its CUDA, pip list
+Runs, in this order, each step under its own timeout and all within 7.5 minutes (a step that fails or times
+out is recorded and the next one runs; the steps the time does not reach are recorded as not run):
+  environment   date, nvidia-smi, Python, torch and its CUDA, the C compiler Triton would use, pip list
   deps          imports the runtime requirements; when one fails, installs the wheels in DIR offline
                 (pip --no-index --no-deps --target) into a private temporary folder put on PYTHONPATH
+  train_fp16_resume
+                10 iterations of the demo on GPU 0 in fp16 with a GradScaler and the fused AdamW, its last.pt
+                rewritten as the unfused optimizer saved it (gpu_probes unfuse), resumed to 20
+  train_bf16_channels_last
+                20 iterations with train.amp=auto and model.channels_last=auto (bf16 in channels-last on an
+                Ampere or newer GPU); the log's precision and layout lines
+  train_off_sigterm
+                train.amp=off (full fp32, TF32 off) stopped by SIGTERM after its first logged step: expects
+                exit 143 and the stop line (gpu_probes sigterm)
+  train_ddp2    a 2-process torchrun (NCCL); skipped with fewer than 2 GPUs
+  tf32          fp32 convolution and matmul, amp off against amp tf32: error against float64 and time
+  bad_mask      a mask value outside the classes: expects exit 2 and the one-line error, not a device-side
+                assert (gpu_probes bad-mask)
+  two_processes_one_gpu
+                DDP with synchronized BN in two processes on GPU 0 over gloo (NCCL refuses two ranks on one
+                GPU; its answer is recorded) against nn.BatchNorm2d, then a killed peer: the survivor's
+                lost-contact line
+  dp_one_gpu    DataParallelWithCallback with two replicas on GPU 0, fp32 and bf16 autocast, or why torch
+                does not build them
+  compile_syncbn
+                the synchronized layers compiled (inductor, else aot_eager) in two processes on GPU 0, and
+                whether a C compiler and Triton are there
+  val_autotune  whole-image validation of 12 sizes: cuDNN autotuning every size, none, and evaluate()'s rule
   cuda_tests    every test file that declares CUDA tests, one pytest run per file (-m cuda)
-  train_gpu0    60 iterations of the demo on GPU 0, train.amp=auto (bf16 or fp16+GradScaler)
-  train_ddp2    the same as a 2-process torchrun (NCCL); skipped with fewer than 2 GPUs
-  bench_syncbn  benchmarks.bench_syncbn --device cuda
   bench_cuda    benchmarks.bench_cuda: SyncBN against torch's layers, training images/s and memory
+  bench_syncbn  benchmarks.bench_syncbn --device cuda (its table in benchmarks.txt)
 Writes exactly these files in OUTPUT_DIR (created if needed; a relative path is taken from where the
 script was started), each as soon as its step ends:
   summary.txt          one line a step: STATUS SECONDS STEP DETAIL (PASS, FAIL, TIMEOUT, SKIPPED)
   environment.txt      the environment and the deps step's log
-  cuda_tests.txt       the pytest output of every CUDA test file
-  train.txt            the training logs
+  train.txt            the training logs (train_*, bad_mask)
   train_metrics.json   each training's status and its metrics.jsonl records (run folders and
                        checkpoints stay in a temporary folder, deleted at the end)
+  probes.txt           the output of tf32, two_processes_one_gpu, dp_one_gpu, compile_syncbn, val_autotune
+  cuda_tests.txt       the pytest output of every CUDA test file
   benchmarks.txt       the benchmarks' output
-  bench_syncbn_cuda.json, bench_cuda.json   the benchmarks' records, with the step's status
+  bench_cuda.json      bench_cuda's record, with the step's status
 Options:
   --wheels DIR   wheels for the deps step (default: .gpu_wheels in the repository root, made by
                  `python scripts/gpu_wheels.py` where PyPI is reachable; the device tool copies it
                  only when the call names it: carry=['.gpu_wheels'])
   --dry-run      for a CPU machine: runs the same steps' plumbing (environment, deps with its install,
-                 each CUDA test file, whose tests skip themselves, bench_cuda on tiny CPU shapes, a 1-iteration
-                 CPU training, `--help` of bench_syncbn) and records each GPU step as SKIPPED with why,
-                 writing the same files. To rehearse the GPU image here (its missing packages hidden,
-                 installed from wheels for this machine's Python, e.g. 3.11):
+                 the fp16 resume as a 1-iteration CPU run in fp32, its unfuse and its resume, the SIGTERM
+                 and bad-mask runs on the CPU, each probe on tiny CPU shapes, each CUDA test file, whose
+                 tests skip themselves, bench_cuda on tiny CPU shapes, `--help` of bench_syncbn) and
+                 records each GPU step as SKIPPED with why, writing the same files. To rehearse the GPU
+                 image here (its missing packages hidden, installed from wheels for this machine's Python,
+                 e.g. 3.11):
                    python scripts/gpu_wheels.py --python-version 3.11 /tmp/wheels311
                    PYTHONPATH=$PWD/scripts/gpu_image scripts/gpu_check.sh --dry-run --wheels /tmp/wheels311 OUT
 Python: $PYTHON, else .venv/bin/python when it exists, else python3 (the GPU image's own).
@@ -99,16 +127,17 @@ counts_pass=0 counts_fail=0 counts_skip=0
 
 summary=$out/summary.txt
 env_log=$out/environment.txt
-tests_log=$out/cuda_tests.txt
 train_log=$out/train.txt
-bench_log=$out/benchmarks.txt
 metrics_json=$out/train_metrics.json
-syncbn_json=$out/bench_syncbn_cuda.json
+probes_log=$out/probes.txt
+tests_log=$out/cuda_tests.txt
+bench_log=$out/benchmarks.txt
 cuda_json=$out/bench_cuda.json
+syncbn_json=$work/bench_syncbn_cuda.json  # its table is in benchmarks.txt; the JSON stays behind (8 files)
 # Every file exists from the start, so a step that dies leaves the same file set behind.
-for file in "$env_log" "$tests_log" "$train_log" "$bench_log"; do : > "$file"; done
+for file in "$env_log" "$train_log" "$probes_log" "$tests_log" "$bench_log"; do : > "$file"; done
 echo '{}' > "$metrics_json"
-rm -f "$syncbn_json" "$cuda_json"
+rm -f "$cuda_json"
 {
   echo "gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC')$([ $dry_run = 1 ] && echo ', DRY RUN (no GPU steps)'); python: $py; wheels: $wheels"
   printf '%-7s %5s  %-44s %s\n' STATUS TIME STEP DETAIL
@@ -235,14 +264,22 @@ if [ "$rc" -eq 0 ]; then
   gpus=$(grep '^gpu_count: ' "$env_log" | tail -n 1 | cut -d' ' -f2)
 fi
 case $gpus in ''|*[!0-9]*) gpus=0 ;; esac
-echo "--- pip list" >> "$env_log"
+# Triton builds a small C launcher for every kernel it compiles: without a C compiler torch.compile's
+# default backend fails on the GPU (compile_syncbn then falls back to aot_eager and says so)
+compiler=$(command -v "${CC:-cc}" || command -v gcc || command -v clang || echo none)
+{
+  echo "--- C compiler: $compiler"
+  if [ "$compiler" != none ]; then timeout 10 "$compiler" --version 2>&1 | head -n 1; fi
+  echo "--- pip list"
+} >> "$env_log"
 timeout 60 "$py" -m pip list >> "$env_log" 2>&1 || echo "(pip list failed)" >> "$env_log"
+torch_summary="${torch_summary:-torch imports}; C compiler: $compiler"
 if [ "$rc" -ne 0 ]; then
   verdict environment "torch does not import with $py (environment.txt)"
 elif [ $dry_run = 0 ] && [ "$gpus" -lt 1 ]; then
-  record FAIL $((SECONDS - env_start)) environment "${torch_summary:-torch imports}: no CUDA device visible (on a CPU machine, use --dry-run)"
+  record FAIL $((SECONDS - env_start)) environment "$torch_summary; no CUDA device visible (on a CPU machine, use --dry-run)"
 else
-  record PASS $((SECONDS - env_start)) environment "${torch_summary:-torch imports}"
+  record PASS $((SECONDS - env_start)) environment "$torch_summary"
 fi
 
 # ---------------------------------------------------------------------------------------------- deps
@@ -309,10 +346,145 @@ for name in sys.argv[1:]:
         print(name, "does not import:", type(error).__name__, error)' \
   albumentations albucore pydantic pydantic_core typing_extensions numpy cv2 torch torchvision >> "$env_log" 2>&1
 
+# ---------------------------------------------------------------------------------------------- training
+# Short trainings of the demo on GPU 0, one per precision path: the run folders (checkpoints of ~155 MB) stay in
+# the work folder; only their metrics come back. The dry run trains 1-2 iterations of a tiny demo on the CPU
+# in fp32 (fp16 on a CPU took a minute and a half for 2 iterations).
+if [ $dry_run = 1 ]; then
+  device_args=()
+  size_args=(train.batch_size=2 data.num_workers=0 data.synthetic_train_size=4 data.synthetic_val_size=2
+             data.synthetic_image_size=64 data.crop_size=64 train.log_interval=1 eval.amp=off train.num_vis_images=0)
+  fp16_first=(train.amp=off train.iters=1 train.ckpt_interval=1 train.val_interval=1000)
+  fp16_resume=(train.amp=off train.iters=2 train.ckpt_interval=1 train.val_interval=2)
+else
+  device_args=(--gpus 0)
+  size_args=(data.num_workers=4 data.synthetic_train_size=400 data.synthetic_val_size=32 train.log_interval=5)
+  fp16_first=(train.amp=fp16 train.iters=10 train.ckpt_interval=10 train.val_interval=1000)
+  fp16_resume=(train.amp=fp16 train.iters=20 train.ckpt_interval=10 train.val_interval=20)
+fi
+demo=(train.py --config demo.yaml "${device_args[@]}")
+
+# section LOG: the lines a `bounded` run appended to LOG (its header and footer lines left out).
+section_start=0
+mark() { section_start=$(wc -l < "$1"); }
+section() { tail -n +"$((section_start + 1))" "$1" | grep -v '^=== '; }
+
+# not_run NAME REASON: a training that cannot run here, said in all three places.
+not_run() {
+  echo "--- $1: not run ($2)" >> "$train_log"
+  record SKIPPED 0 "$1" "$2"
+  add_metrics "$1" "$work/runs/$1" "$2" > /dev/null 2>> "$train_log"
+}
+# probe STEP LOG DRY_REASON BUDGET ARGS...: `python -m scripts.gpu_probes ARGS`; its last RESULT line is the detail,
+# its exit status 3 (cannot run here) a SKIPPED line.
+probe() {
+  local step=$1 log=$2 dry_reason=$3 budget=$4 detail
+  shift 4
+  echo "--- $step" >> "$log"
+  mark "$log"
+  bounded "$budget" "$log" "$py" -m scripts.gpu_probes "$@"
+  detail=$(section "$log" | grep '^RESULT: ' | tail -n 1 | cut -c9-)
+  if [ "$rc" -eq 3 ]; then
+    record SKIPPED "$took" "$step" "${detail:-cannot run here}"
+  else
+    verdict "$step" "$detail" "$dry_reason${detail:+ ($detail)}"
+  fi
+}
+
+deps_reason="the runtime requirements do not import (deps)"
+if [ $deps_ok = 0 ]; then
+  for name in train_fp16_resume train_bf16_channels_last train_off_sigterm train_ddp2; do not_run "$name" "$deps_reason"; done
+else
+  # fp16 + GradScaler + fused AdamW, resumed from the checkpoint an unfused optimizer would have written: torch
+  # moves a loaded step to the parameter's device only when the saved group was fused (issue 30)
+  name=train_fp16_resume run=$work/runs/train_fp16_resume step_start=$SECONDS
+  echo "--- $name: first part" >> "$train_log"
+  bounded 80 "$train_log" "$py" "${demo[@]}" output_dir="$run" "${size_args[@]}" "${fp16_first[@]}"
+  detail="first part"
+  if [ "$rc" -eq 0 ]; then
+    echo "--- $name: last.pt as the unfused optimizer saved it" >> "$train_log"
+    mark "$train_log"
+    bounded 40 "$train_log" "$py" -m scripts.gpu_probes unfuse "$run/last.pt"
+    detail="unfuse"
+    if [ "$rc" -eq 0 ]; then
+      unfused=$(section "$train_log" | grep '^RESULT: ' | tail -n 1 | cut -c9-)
+      echo "--- $name: the resume" >> "$train_log"
+      bounded 80 "$train_log" "$py" "${demo[@]}" --resume auto output_dir="$run" "${size_args[@]}" "${fp16_resume[@]}"
+      detail="resume; $unfused"
+      [ "$rc" -eq 0 ] && detail="10 iterations fp16 + GradScaler + fused AdamW, resumed to 20 from last.pt made unfused"
+    fi
+  fi
+  took=$((SECONDS - step_start))
+  val=$(add_metrics "$name" "$run" 2>> "$train_log")
+  verdict "$name" "$detail${val:+; $val}" "no CUDA device; 1 fp32 CPU iteration, its last.pt made unfused, resumed to 2"
+
+  if [ $dry_run = 1 ]; then  # the overrides checked, nothing trained
+    echo "--- train_bf16_channels_last: the config it would train with" >> "$train_log"
+    bounded 60 "$train_log" "$py" "${demo[@]}" --print-config output_dir="$work/runs/train_bf16_channels_last" \
+      train.amp=auto model.channels_last=auto train.iters=20
+    verdict train_bf16_channels_last "" "no CUDA device; train.py --print-config checked its overrides"
+    add_metrics train_bf16_channels_last "$work/runs/train_bf16_channels_last" "dry run: its config checked, nothing trained" \
+      > /dev/null 2>> "$train_log"
+  else
+    echo "--- train_bf16_channels_last" >> "$train_log"
+    mark "$train_log"
+    bounded 80 "$train_log" "$py" "${demo[@]}" output_dir="$work/runs/train_bf16_channels_last" "${size_args[@]}" \
+      train.amp=auto model.channels_last=auto train.iters=20 train.val_interval=20 train.ckpt_interval=20
+    # what ran, as the log says it: "train.amp=auto: bf16 (...)" and "model.channels_last=auto: on"
+    layout=$(section "$train_log" | grep -oE '(train\.amp=auto: [a-z0-9]+|model\.channels_last=auto: [a-z]+)' | paste -sd ',' -)
+    val=$(add_metrics train_bf16_channels_last "$work/runs/train_bf16_channels_last" 2>> "$train_log")
+    verdict train_bf16_channels_last "20 iterations; ${layout:-no precision line}${val:+; $val}"
+  fi
+
+  # full fp32 (TF32 off) stopped by SIGTERM mid-step: exit 143, last.pt saved, the stop line
+  probe train_off_sigterm "$train_log" "no CUDA device; the same on the CPU" 80 sigterm -- "${demo[@]:1}" \
+    output_dir="$work/runs/train_off_sigterm" "${size_args[@]}" train.amp=off train.iters=2000 train.log_interval=1 \
+    train.val_interval=5000 train.ckpt_interval=5000
+  add_metrics train_off_sigterm "$work/runs/train_off_sigterm" > /dev/null 2>> "$train_log"
+
+  if [ $dry_run = 1 ]; then
+    not_run train_ddp2 "dry run: needs 2 GPUs; $gpus here"
+  elif [ "$gpus" -lt 2 ]; then
+    not_run train_ddp2 "needs 2 GPUs; $gpus here"
+  else
+    echo "--- train_ddp2" >> "$train_log"
+    bounded 90 "$train_log" env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "$py" -m torch.distributed.run --standalone \
+      --nproc_per_node 2 train.py --config demo.yaml output_dir="$work/runs/train_ddp2" "${size_args[@]}" \
+      train.iters=20 train.val_interval=20 train.ckpt_interval=20
+    val=$(add_metrics train_ddp2 "$work/runs/train_ddp2" 2>> "$train_log")
+    verdict train_ddp2 "2 processes, 20 iterations, amp auto${val:+; $val}"
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------------- probes
+probe_device=cuda
+[ $dry_run = 1 ] && probe_device=cpu
+probe tf32 "$probes_log" "no CUDA device; measured on the CPU" 40 tf32 --device $probe_device
+if [ $deps_ok = 0 ]; then
+  record SKIPPED 0 bad_mask "$deps_reason"
+else
+  probe bad_mask "$train_log" "no CUDA device; the same on the CPU" 60 bad-mask --device $probe_device -- \
+    "${demo[@]:1}" output_dir="$work/runs/bad_mask" "${size_args[@]}" train.iters=5
+fi
+probe two_processes_one_gpu "$probes_log" "no CUDA device; two CPU processes" 90 two-processes --device $probe_device
+probe dp_one_gpu "$probes_log" "no CUDA device" 45 dp-one-gpu --device $probe_device
+if [ $dry_run = 1 ]; then
+  probe compile_syncbn "$probes_log" "no CUDA device; two CPU processes with aot_eager" 150 compile --device cpu --backend aot_eager
+else
+  probe compile_syncbn "$probes_log" "" 150 compile --device cuda
+fi
+if [ $deps_ok = 0 ]; then
+  record SKIPPED 0 val_autotune "$deps_reason"
+elif [ $dry_run = 1 ]; then
+  probe val_autotune "$probes_log" "no CUDA device; 2 CPU images a way" 60 val-autotune --device cpu --images 2
+else
+  probe val_autotune "$probes_log" "" 60 val-autotune --device cuda --images 12
+fi
+
 # ---------------------------------------------------------------------------------------------- cuda_tests
 # One pytest run per file that declares CUDA tests (marker `cuda`): a collection error (a missing
 # requirement) or a crash costs that file alone. The files share one time budget.
-TESTS_BUDGET=150
+TESTS_BUDGET=120
 tests_deadline=$((SECONDS + TESTS_BUDGET))
 mapfile -t cuda_tests < <(grep -rl "mark.cuda" tests --include='test_*.py' | sort)
 echo "CUDA test files: ${cuda_tests[*]}" >> "$tests_log"
@@ -339,62 +511,7 @@ for file in "${cuda_tests[@]}"; do
   fi
 done
 
-# ---------------------------------------------------------------------------------------------- training
-# Issue 6: 60 iterations of the demo on GPU 0 with train.amp=auto (bf16 where the GPU has it, else fp16 + GradScaler), then as a 2-process torchrun
-# (NCCL, SyncBN through torch.distributed) with 2 GPUs. The run folders (checkpoints of ~155 MB) stay in
-# the work folder; only their metrics come back.
-train_args=(train.iters=60 train.amp=auto train.val_interval=60 train.ckpt_interval=60 train.log_interval=20
-            data.num_workers=4 data.synthetic_train_size=1000 data.synthetic_val_size=50)
-dry_train_args=(train.iters=1 train.val_interval=1 train.ckpt_interval=1 train.log_interval=1 train.batch_size=2
-                train.amp=off eval.amp=off data.num_workers=0 data.synthetic_train_size=4 data.synthetic_val_size=2
-                data.synthetic_image_size=64 data.crop_size=64)
-# train NAME DETAIL DRY_REASON COMMAND...: one training run in the work folder, its metrics copied out.
-train() {
-  local name=$1 detail=$2 dry_reason=$3 val
-  shift 3
-  echo "--- $name" >> "$train_log"
-  bounded 90 "$train_log" "$@"
-  val=$(add_metrics "$name" "$work/runs/$name" 2>> "$train_log")
-  verdict "$name" "$detail${val:+; $val}" "$dry_reason"
-}
-# not_run NAME REASON: a training that cannot run here, said in all three places.
-not_run() {
-  echo "--- $1: not run ($2)" >> "$train_log"
-  record SKIPPED 0 "$1" "$2"
-  add_metrics "$1" "$work/runs/$1" "$2" > /dev/null 2>> "$train_log"
-}
-if [ $deps_ok = 0 ]; then
-  not_run train_gpu0 "the runtime requirements do not import (deps)"
-  not_run train_ddp2 "the runtime requirements do not import (deps)"
-else
-  if [ $dry_run = 1 ]; then
-    train train_gpu0 "" "no CUDA device; a 1-iteration CPU run checked train.py, its run folder and the metrics copy" \
-      "$py" train.py --config demo.yaml output_dir="$work/runs/train_gpu0" "${dry_train_args[@]}"
-  else
-    train train_gpu0 "60 iterations, amp auto" "" \
-      "$py" train.py --config demo.yaml --gpus 0 output_dir="$work/runs/train_gpu0" "${train_args[@]}"
-  fi
-  if [ $dry_run = 1 ]; then
-    not_run train_ddp2 "dry run: needs 2 GPUs; $gpus here"
-  elif [ "$gpus" -lt 2 ]; then
-    not_run train_ddp2 "needs 2 GPUs; $gpus here"
-  else
-    train train_ddp2 "2 processes, 60 iterations, amp auto" "" \
-      env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "$py" -m torch.distributed.run --standalone --nproc_per_node 2 \
-      train.py --config demo.yaml output_dir="$work/runs/train_ddp2" "${train_args[@]}"
-  fi
-fi
-
 # ---------------------------------------------------------------------------------------------- benchmarks
-if [ $dry_run = 1 ]; then
-  bounded 60 "$bench_log" "$py" -m benchmarks.bench_syncbn --help
-  verdict bench_syncbn "" "no CUDA device; its --help checked that it imports"
-else
-  bounded 60 "$bench_log" "$py" -m benchmarks.bench_syncbn --device cuda --skip-distributed --repeats 30 --output "$syncbn_json"
-  verdict bench_syncbn "bench_syncbn_cuda.json"
-fi
-note_json "$syncbn_json"
-
 # SyncBN against torch.nn.SyncBatchNorm / nn.BatchNorm2d on three shapes (one process; two with NCCL when
 # there are 2 GPUs), then training images/s and peak memory, fp32 vs fp16 autocast + channels_last. The
 # layer part's JSON is written before the training part imports the engine.
@@ -406,6 +523,14 @@ else
   verdict bench_cuda "bench_cuda.json"
 fi
 note_json "$cuda_json"
+
+if [ $dry_run = 1 ]; then
+  bounded 60 "$bench_log" "$py" -m benchmarks.bench_syncbn --help
+  verdict bench_syncbn "" "no CUDA device; its --help checked that it imports"
+else
+  bounded 60 "$bench_log" "$py" -m benchmarks.bench_syncbn --device cuda --skip-distributed --repeats 30 --output "$syncbn_json"
+  verdict bench_syncbn "its table in benchmarks.txt"
+fi
 
 echo "finished with status $status in ${SECONDS} s: $counts_pass passed, $counts_fail failed or timed out, $counts_skip skipped$([ $dry_run = 1 ] && echo ' (dry run)')" >> "$summary"
 echo

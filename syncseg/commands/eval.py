@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scales", help="comma-separated test scales, e.g. 0.5,0.75,1.0,1.25,1.5,1.75")
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                         help="also predict the horizontally flipped image and average the logits")
-    parser.add_argument("--amp", help="autocast for inference: auto, off, fp16 or bf16 (default: the checkpoint's "
+    parser.add_argument("--amp", help="precision for inference: auto, off, tf32, fp16 or bf16 (default: the checkpoint's "
                                       "eval.amp, which training's validation also uses, so both report the "
                                       "same numbers)")
     parser.add_argument("--save-predictions", metavar="DIR",

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scales", help="comma-separated test scales (default: the checkpoint's eval.scales)")
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                         help="also predict the mirrored image and average (default: the checkpoint's eval.flip)")
-    parser.add_argument("--amp", help="autocast: auto, off, fp16 or bf16 (default: the checkpoint's eval.amp)")
+    parser.add_argument("--amp", help="precision: auto, off, tf32, fp16 or bf16 (default: the checkpoint's eval.amp)")
     parser.add_argument("--alpha", type=float, default=0.5,
                         help="overlay opacity of the class colors, 0..1 (background pixels stay untouched)")
     parser.add_argument("--legend", action="store_true", help="also write <output>/legend.png: each class color "

@@ -21,7 +21,7 @@ from syncseg.data import build_dataset, check_data_at_start
 from syncseg.engine.accumulation import describe_batches
 from syncseg.engine.checkpoint import load_weights_file
 from syncseg.engine.config import Config
-from syncseg.engine.devices import log_precision, resolve_channels_last
+from syncseg.engine.devices import apply_fp32_precision, log_precision, resolve_channels_last
 from syncseg.engine.distributed import DistInfo, assign_sync_groups, compile_for_training, wrap_for_training
 from syncseg.engine.ema import ModelEMA
 from syncseg.engine.loss import SegmentationLoss, build_loss
@@ -42,7 +42,7 @@ class TrainingParts:
     """The built objects of one training process. `model` is the bare network (checkpoints, validation);
     `train_model` wraps it for gradient synchronization (DDP, DataParallelWithCallback, or the model
     itself); `forward_model` is `train_model`, compiled when train.compile. `precision` is what
-    train.amp runs as on this device (off | fp16 | bf16). `eval_model` is what validation runs: the
+    train.amp runs as on this device (off | tf32 | fp16 | bf16). `eval_model` is what validation runs: the
     averaged weights when train.ema_decay > 0, else `model`."""
 
     config: Config
@@ -101,6 +101,7 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
     check_batching(val_set, config.eval.batch_size, key="eval.batch_size")  # fail now, not at validation
     classes = tuple(train_set.classes)
     precision = log_precision("train.amp", train_cfg.amp, device)
+    apply_fp32_precision(precision, device)  # the backward runs outside autocast_for's TF32 setting
     log_precision("eval.amp", config.eval.amp, device)
     channels_last, why = resolve_channels_last(config.model.channels_last, train_cfg.amp, device)
     logger.info("model.channels_last=%s: %s (%s)", config.model.channels_last, "on" if channels_last else "off", why)
@@ -127,7 +128,8 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
         scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"), precision=precision,
         criterion=build_loss(train_cfg, ignore_index=data_cfg.ignore_index).to(device), sampler=sampler,
         train_loader=build_train_loader(train_set, sampler, num_workers=data_cfg.num_workers, pin_memory=pin,
-                                        seed=train_cfg.seed),
+                                        seed=train_cfg.seed, num_classes=len(classes),
+                                        ignore_index=data_cfg.ignore_index),
         val_loader=build_eval_loader(val_set, batch_size=config.eval.batch_size,
                                      num_workers=min(data_cfg.num_workers, 2), pin_memory=pin,
                                      rank=dist_info.rank, world_size=dist_info.world_size, seed=train_cfg.seed),

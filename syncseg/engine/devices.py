@@ -1,11 +1,14 @@
 """Devices and precision: `--gpus` and `--device` parsed, and what `train.amp` / `eval.amp`
-(auto | off | fp16 | bf16) run as on a device, with its autocast.
+(auto | off | tf32 | fp16 | bf16) run as on a device, with its autocast and its TF32 flags.
 
 `parse_gpus` and `inference_device` are the one parsers of `--gpus` (train.py) and `--device` (eval.py,
 predict.py, export.py).
 
 `resolve_precision(precision, device)` is the one table from the config value to what runs, by the
-device's capability (`native_bf16`, the one probe); `autocast_for(device, precision)` its autocast context.
+device's capability (`native_bf16` and `native_tf32`, the probes); `autocast_for(device, precision)` its
+autocast context, which on CUDA also sets TF32 for what runs (`apply_fp32_precision` sets it process-wide,
+for training's backward): TF32 matmuls and convolutions exactly when the precision is tf32, so `off` is
+full fp32 (IEEE) on Ampere and newer too, as the log says, not cuDNN's default TF32 convolutions.
 """
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ import functools
 import inspect
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_AUTOCAST_DTYPES = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}  # syncseg.engine.config.Precision
+# syncseg.engine.config.Precision less auto; tf32 is fp32 tensors (no autocast) with TF32 matmuls and convolutions
+_AUTOCAST_DTYPES = {"off": None, "tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Overrides the CPU bf16 probe ("0" or "1"): the tests set 0 so that no outcome or time depends on the CPU
 NATIVE_BF16_VARIABLE = "SYNCSEG_NATIVE_BF16"
 # measured on a 2-core AVX2 CPU (no AVX512_BF16/AMX): the demo trained at 1.0 img/s in bf16, 14 img/s in fp32
@@ -56,10 +61,20 @@ def native_bf16(device: torch.device) -> bool:
     return False
 
 
+def native_tf32(device: torch.device) -> bool:
+    """Whether `device` computes fp32 matmuls and convolutions in TF32 when asked: a CUDA device of compute
+    capability 8.0+ (Ampere and later). Tests replace it."""
+    return device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
+
+
 def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
-    """(what runs: off | fp16 | bf16, why) for `precision` (train.amp / eval.amp: auto | off | fp16 | bf16)
-    on `device`. auto: bf16 where `native_bf16(device)`, else fp16 (with a GradScaler in training) on
-    CUDA, else off (fp32). An explicit value runs as given."""
+    """(what runs: off | tf32 | fp16 | bf16, why) for `precision` (train.amp / eval.amp: auto | off | tf32 |
+    fp16 | bf16) on `device`. auto: bf16 where `native_bf16(device)`, else fp16 (with a GradScaler in
+    training) on CUDA, else off (fp32). tf32 runs as off where `native_tf32(device)` is false. An explicit
+    value otherwise runs as given."""
+    if precision == "tf32" and not native_tf32(device):
+        where = "this GPU (compute capability below 8.0)" if device.type == "cuda" else device.type
+        return "off", f"tf32 as configured, but {where} has no TF32, so fp32"
     if precision != "auto":
         if precision == "bf16" and device.type == "cpu" and not native_bf16(device):
             return "bf16", (f"as configured; this CPU has no native bf16 (AVX512_BF16/AMX), so bf16 is emulated "
@@ -72,15 +87,43 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
     return "off", f"auto: {device.type} has no native bf16 (AVX512_BF16/AMX), so fp32"
 
 
+def describe_precision(chosen: str, device: torch.device) -> str:
+    """What `chosen` (resolve_precision's off | tf32 | fp16 | bf16) computes on `device`, for the log."""
+    if device.type != "cuda":
+        return "fp32" if chosen == "off" else chosen
+    return {"off": "fp32 (TF32 off: matmuls and convolutions in full fp32)",
+            "tf32": "tf32 (fp32 tensors, matmuls and convolutions in TF32)"}.get(
+        chosen, f"{chosen} (TF32 off for what runs in fp32)")
+
+
 def log_precision(key: str, precision: str, device: torch.device) -> str:
-    """Log what `key` (train.amp / eval.amp) = `precision` runs as on `device`, and why; warns when it is
-    emulated bf16. Returns what runs (off | fp16 | bf16)."""
+    """Log what `key` (train.amp / eval.amp) = `precision` runs as on `device`, and why (on CUDA, whether
+    TF32 is on); warns when it is emulated bf16. Returns what runs (off | tf32 | fp16 | bf16)."""
     chosen, why = resolve_precision(precision, device)
     if "emulated" in why:
         logger.warning("%s=%s: %s", key, precision, why)
     else:
-        logger.info("%s=%s: %s (%s)", key, precision, "fp32" if chosen == "off" else chosen, why)
+        logger.info("%s=%s: %s (%s)", key, precision, describe_precision(chosen, device), why)
     return chosen
+
+
+def set_tf32(enabled: bool) -> tuple[bool, bool]:
+    """Set TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN) process-wide; returns the previous
+    (matmul, cudnn) pair. Through the `allow_tf32` flags, which torch 2.11 to 2.14 all have and which keep
+    the newer `fp32_precision` settings in step: setting `cudnn.conv.fp32_precision` alone leaves the
+    legacy cuDNN flag behind, and any later read of `torch.backends.cudnn.allow_tf32` then raises."""
+    previous = (bool(torch.backends.cuda.matmul.allow_tf32), bool(torch.backends.cudnn.allow_tf32))
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return previous
+
+
+def apply_fp32_precision(chosen: str, device: torch.device) -> None:
+    """Process-wide, for what runs outside `autocast_for` (training's backward): on CUDA, TF32 exactly when
+    `chosen` (resolve_precision's answer) is tf32, else full fp32 for fp32 matmuls and convolutions.
+    Nothing on other devices."""
+    if device.type == "cuda":
+        set_tf32(chosen == "tf32")
 
 
 def resolve_channels_last(setting: str | bool, precision: str, device: torch.device) -> tuple[bool, str]:
@@ -92,15 +135,39 @@ def resolve_channels_last(setting: str | bool, precision: str, device: torch.dev
     chosen = resolve_precision(precision, device)[0]
     if chosen in ("bf16", "fp16"):
         return True, f"auto: {chosen} kernels want channels-last"
-    return False, "auto: fp32 runs in the usual layout"
+    return False, f"auto: {'fp32' if chosen == 'off' else chosen} runs in the usual layout"
 
 
-def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The autocast context for `precision` (auto | off | fp16 | bf16) on `device`."""
-    dtype = _AUTOCAST_DTYPES[resolve_precision(precision, device)[0]]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+@contextlib.contextmanager
+def autocast_for(device: torch.device, precision: str) -> Iterator[None]:
+    """The context that runs `precision` (auto | off | tf32 | fp16 | bf16) on `device`: its autocast, and
+    on CUDA TF32 on exactly for tf32 (restored on exit), so training, validation, eval.py and predict.py
+    each compute as their key says."""
+    chosen = resolve_precision(precision, device)[0]
+    dtype = _AUTOCAST_DTYPES[chosen]
+    previous = set_tf32(chosen == "tf32") if device.type == "cuda" else None
+    try:
+        if dtype is None:
+            yield
+        else:
+            with torch.autocast(device_type=device.type, dtype=dtype):
+                yield
+    finally:
+        if previous is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+@contextlib.contextmanager
+def cudnn_autotuning(enabled: bool) -> Iterator[None]:
+    """cuDNN's autotuning (`torch.backends.cudnn.benchmark`) set to `enabled` inside, restored on exit. The
+    flag is process-wide: training turns it on for its one crop size (distributed.wrap_for_training), and
+    each input size it sees is timed over every algorithm once."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous
 
 
 def parse_gpus(gpus: str) -> tuple[int, ...]:

@@ -25,6 +25,14 @@ from syncseg.model.sync_batchnorm import DataParallelWithCallback, synchronized_
 
 logger = logging.getLogger(__name__)
 
+# What NCCL's watchdog does when a collective fails or times out, read when an NCCL group is made. torchrun
+# sets 1 (abort the communicators and kill the process; torch's own default, 3, kills it too). A hung peer
+# then killed each process at NCCL's timeout, before the gloo stop agreement (the same dist.timeout_s, started
+# a little later) could raise the one-line "lost contact" error. 2 aborts the communicators and leaves the
+# process to report: the agreement, which waits on a CPU tensor, raises and train.py exits 1 with that line.
+NCCL_ERROR_HANDLING_VARIABLE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERROR_HANDLING_CLEAN_UP_ONLY = "2"
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -185,6 +193,12 @@ def setup_distributed(gpus: str | None, *, timeout_s: float = 300.0, launch: Lau
         # torch's own default pairing, so agreeing on a stop never waits for the GPU
         backend, device_ids = "cpu:gloo,cuda:nccl", (local_rank,)
         options["device_id"] = device  # NCCL binds its communicator to this GPU at once
+        previous = os.environ.get(NCCL_ERROR_HANDLING_VARIABLE)
+        os.environ[NCCL_ERROR_HANDLING_VARIABLE] = NCCL_ERROR_HANDLING_CLEAN_UP_ONLY
+        if previous not in (None, NCCL_ERROR_HANDLING_CLEAN_UP_ONLY):
+            logger.info("%s=%s (was %s): a failed or timed-out NCCL collective aborts the communicators but "
+                        "leaves the process to report a lost peer in one line and exit 1",
+                        NCCL_ERROR_HANDLING_VARIABLE, NCCL_ERROR_HANDLING_CLEAN_UP_ONLY, previous)
     else:
         device, backend, device_ids = torch.device("cpu"), "gloo", ()
     if not dist.is_initialized():
@@ -223,15 +237,13 @@ def _single_process(gpus: str | None) -> DistInfo:
 def wrap_for_training(model: nn.Module, dist_info: DistInfo) -> nn.Module:
     """The module train steps call: DistributedDataParallel under torchrun/srun, DataParallelWithCallback
     over several --gpus, else `model` itself. On CUDA, cudnn picks its fastest kernels (the crops have
-    one size, so the search runs once)."""
+    one size, so the search runs once; validation autotunes only the sizes that come back:
+    syncseg.engine.evaluate)."""
     if dist_info.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     if dist_info.mode == "ddp":
         device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
-        # buffers are not broadcast from rank 0 before each forward: synchronized BN keeps them equal, and
-        # with plain BN each process keeps its own statistics
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                                   **no_buffer_sync_option(nn.parallel.DistributedDataParallel))
+        return distributed_data_parallel(model, device_ids=device_ids)
     if dist_info.num_replicas > 1:
         return DataParallelWithCallback(model, device_ids=list(dist_info.device_ids))
     return model
@@ -255,6 +267,18 @@ def assign_sync_groups(model: nn.Module, dist_info: DistInfo, *, group_size: int
     first = dist_info.rank - dist_info.rank % group_size
     logger.info("synchronized BatchNorm reduces within groups of %d processes (this one: ranks %d-%d)",
                 group_size, first, first + group_size - 1)
+
+
+def distributed_data_parallel(model: nn.Module, *, device_ids: list[int] | None,
+                              ddp_class: type | None = None) -> nn.Module:
+    """`model` in DistributedDataParallel (`ddp_class`, default torch's, looked up when called), built with
+    keywords every supported torch takes: `device_ids`, `gradient_as_bucket_view=True` (gradients are views
+    into the all-reduce buckets: one copy less) and no buffer broadcast before each forward
+    (no_buffer_sync_option: synchronized BN keeps the buffers equal, and with plain BN each process keeps
+    its own statistics). The one place a DDP is built, so the keywords are checked against each signature
+    in one test."""
+    ddp_class = ddp_class or nn.parallel.DistributedDataParallel
+    return ddp_class(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync_option(ddp_class))
 
 
 def no_buffer_sync_option(ddp_class: type) -> dict[str, bool]:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from syncseg.engine.confusion import ConfusionMatrix
+from syncseg.engine.devices import cudnn_autotuning
 from syncseg.engine.distributed import all_reduce_sum, get_rank
 from syncseg.engine.inference import predict_batch
 from syncseg.engine.signals import Stopped, until_stop
@@ -54,6 +55,11 @@ def evaluate(
     masks)` is called for every batch on every process (e.g. to save predictions). `should_stop()` is asked
     before every batch (a stop request agreed by every process, syncseg.engine.signals): every process asks it
     equally often, a shorter shard after its last batch too, and all end at the same batch.
+
+    Where the process autotunes cuDNN (training on CUDA), a batch is autotuned only when its size came
+    before in this pass: whole images of VOC or ADE20K come in many sizes, most seen once, and timing every
+    algorithm for a size used once costs more than that one call can save; one-size validation sets are
+    autotuned from their second batch. The process's setting is restored for training.
     """
     device = torch.device(device)
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -65,6 +71,7 @@ def evaluate(
     num_images = torch.zeros((), dtype=torch.int64, device=device)
     was_training = model.training
     model.eval()
+    autotune, seen_sizes = torch.backends.cudnn.benchmark, set()
     batches = loader
     redirect = contextlib.nullcontext()
     if progress and rank == 0 and sys.stderr.isatty():  # a progress bar only where it redraws in place
@@ -75,9 +82,12 @@ def evaluate(
             for batch_index, (images, masks) in enumerate(until_stop(batches, should_stop)):
                 images = images.to(device, non_blocking=True)
                 masks = masks.to(device, non_blocking=True)
-                # an image resized by the pipeline, not its mask: the logits come back at the mask's size
-                logits = predict_batch(model, images, num_classes=num_classes, data_cfg=data_cfg, eval_cfg=eval_cfg,
-                                       output_size=tuple(masks.shape[-2:]))
+                size = tuple(images.shape)
+                with cudnn_autotuning(autotune and size in seen_sizes):
+                    # an image resized by the pipeline, not its mask: the logits come back at the mask's size
+                    logits = predict_batch(model, images, num_classes=num_classes, data_cfg=data_cfg,
+                                           eval_cfg=eval_cfg, output_size=tuple(masks.shape[-2:]))
+                seen_sizes.add(size)
                 predictions = logits.argmax(dim=1)
                 matrix.update(predictions, masks)
                 num_images += images.shape[0]

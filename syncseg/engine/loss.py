@@ -27,6 +27,23 @@ from syncseg.engine.registry import IMAGES, LOSS_TERMS, PIXELS
 from syncseg.registry import load_object
 
 
+def mask_check_is_free(device: torch.device) -> bool:
+    """Whether checking mask values on `device` costs no host synchronization (a CPU tensor). On CUDA the
+    training loader checks them on the CPU instead (syncseg.engine.samplers.MaskCheckingCollate): an
+    out-of-range value reaching the loss there is a device-side assert that poisons the CUDA context."""
+    return device.type == "cpu"
+
+
+def check_mask_values(target: torch.Tensor, *, num_classes: int, ignore_index: int) -> None:
+    """ValueError naming the first value of `target` (integer masks) that is neither a class index in
+    0..num_classes-1 nor `ignore_index`. Reads the values back: call it where they are on the CPU."""
+    valid = target != ignore_index
+    low, high = (int(value) for value in torch.aminmax(torch.where(valid, target, torch.zeros_like(target))))
+    if low < 0 or high >= num_classes:
+        raise ValueError(f"mask value {low if low < 0 else high} is not a class index in 0..{num_classes - 1} "
+                         f"nor ignore_index={ignore_index}")
+
+
 def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """numerator / denominator, 0 where nothing was counted (a batch of ignored pixels only)."""
     return torch.where(denominator > 0, numerator / denominator.clamp_min(1e-12), numerator * 0)
@@ -80,12 +97,8 @@ class SegmentationLoss(nn.Module):
             weights = weights.to(logits.device, logits.dtype)
         valid = target != self.ignore_index
         safe_target = torch.where(valid, target, torch.zeros_like(target))
-        if target.device.type == "cpu":  # on CUDA this check would synchronize every step
-            low, high = torch.aminmax(safe_target)
-            if low < 0 or high >= num_classes:
-                bad = low.item() if low < 0 else high.item()
-                raise ValueError(f"mask value {bad} is not a class index in 0..{num_classes - 1} "
-                                 f"nor ignore_index={self.ignore_index}")
+        if mask_check_is_free(target.device):  # on CUDA the training loader has checked them on the CPU
+            check_mask_values(target, num_classes=num_classes, ignore_index=self.ignore_index)
         pixel_weight = weights[safe_target] * valid if weights is not None else valid.to(logits.dtype)
         inputs = TermInputs(logits=logits, target=target, safe_target=safe_target, valid=valid,
                             pixel_weight=pixel_weight, class_weights=weights)

@@ -58,12 +58,23 @@ def build_optimizer(param_groups: list[dict], train_cfg: Any) -> torch.optim.Opt
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """Load a saved optimizer state (moments, step counts) but keep what this run configured: each group's
     base LR (`initial_lr`) and weight decay from the config, and the kernel choice of this build, so a
-    checkpoint from before the optimizer was fused, or from another device, continues fused where it can."""
+    checkpoint from before the optimizer was fused, or from another device, continues fused where it can.
+
+    torch moves a loaded `step` to its parameter's device only when the *saved* group was fused or
+    capturable; a fused or capturable group of this run gets its steps moved here (float32, the dtype
+    torch's own policy gives them), or the fused CUDA kernel would receive host steps."""
     kept = ("initial_lr", "weight_decay", "fused", "foreach")
     configured = [{key: group[key] for key in kept if key in group} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, values in zip(optimizer.param_groups, configured):
         group.update(values)
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for param in group["params"]:
+            param_state = optimizer.state.get(param, {})
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor) and (step.device != param.device or step.dtype != torch.float32):
+                param_state["step"] = step.to(device=param.device, dtype=torch.float32)
 
 
 def poly_warmup_factor(iteration: int, *, total_iters: int, power: float, warmup_iters: int) -> float:

@@ -22,9 +22,10 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from syncseg.engine.distributed import get_rank, get_world_size
+from syncseg.engine.loss import check_mask_values
 from syncseg.engine.seeding import SeededDataset, mix_seed, worker_init
 
 logger = logging.getLogger(__name__)
@@ -107,12 +108,29 @@ class ResumableBatchSampler(Sampler):
                 yield [(order[j], seeds[j]) for j in range(first, first + size)]
 
 
+class MaskCheckingCollate:
+    """torch's default collate of (image, mask) samples, then the masks' values checked on the CPU
+    (syncseg.engine.loss.check_mask_values: the loss's own one-line error), in the worker that made the batch.
+    The loss checks them itself only where that costs no host synchronization; on CUDA a value outside
+    0..num_classes-1 and ignore_index would reach cross-entropy as a device-side assert instead."""
+
+    def __init__(self, *, num_classes: int, ignore_index: int) -> None:
+        self.num_classes, self.ignore_index = num_classes, ignore_index
+
+    def __call__(self, samples: list[Any]) -> Any:
+        batch = default_collate(samples)
+        check_mask_values(batch[1], num_classes=self.num_classes, ignore_index=self.ignore_index)
+        return batch
+
+
 def build_train_loader(dataset: Dataset, sampler: ResumableBatchSampler, *, num_workers: int, pin_memory: bool,
-                       seed: int) -> DataLoader:
-    """The training DataLoader: seeded samples in `sampler`'s order, persistent workers."""
+                       seed: int, num_classes: int, ignore_index: int) -> DataLoader:
+    """The training DataLoader: seeded samples in `sampler`'s order, persistent workers; each batch's mask
+    values are checked against `num_classes` and `ignore_index` before it leaves the loader."""
     return DataLoader(
         SeededDataset(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         worker_init_fn=worker_init, persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
+        collate_fn=MaskCheckingCollate(num_classes=num_classes, ignore_index=ignore_index),
     )
 
 

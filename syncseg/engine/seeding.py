@@ -36,7 +36,9 @@ class SeededDataset(Dataset):
     """Wraps a dataset so that item (index, seed) is produced with python random, numpy and torch seeded
     from `seed` (augmentation pipelines seed themselves from torch: syncseg.data.transforms.PairTransform). The caller's global RNG
     states are restored afterwards, so loading in the main process (num_workers=0) does not perturb
-    training's random stream."""
+    training's random stream. Only the host generators are seeded: `torch.manual_seed` would also reseed
+    every CUDA generator (and the main process restores only the host states), so each PreciseBN pass
+    would reset the GPUs' streams and dropout masks would repeat after every validation."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -59,7 +61,7 @@ class SeededDataset(Dataset):
     def _seeded_item(self, index: int, seed: int) -> Any:
         random.seed(seed)
         np.random.seed(seed)
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)  # the CPU generator only, unlike torch.manual_seed
         return self.dataset[index]
 
 

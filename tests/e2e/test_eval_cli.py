@@ -133,7 +133,7 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     (["no.such_key=1"], "unknown config key"),
     (["--mode", "slide", "eval.window_size=32", "eval.stride=40"], "eval.stride=40,40 > eval.window_size=32,32"),
     (["--mode", "tiles"], "eval.mode='tiles' is not one of whole, slide"),
-    (["--amp", "fp8"], "eval.amp='fp8' is not one of auto, off, fp16, bf16"),
+    (["--amp", "fp8"], "eval.amp='fp8' is not one of auto, off, tf32, fp16, bf16"),
     (["--device", "tpu"], "--device 'tpu'"),
     (["--split", "nonexistent", "data.dataset=voc", "data.root=/nonexistent/voc"], "/nonexistent/voc"),
 ])

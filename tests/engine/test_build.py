@@ -38,6 +38,16 @@ def test_parts_follow_the_config(tmp_path):
     steps.close()
 
 
+def test_training_sets_its_precisions_tf32_flags_process_wide(tmp_path, monkeypatch):
+    """The backward runs outside autocast_for, so build_training sets train.amp's TF32 choice for the process."""
+    from syncseg.engine import build
+
+    applied = []
+    monkeypatch.setattr(build, "apply_fp32_precision", lambda chosen, device: applied.append((chosen, device.type)))
+    _parts(tmp_path, "train.amp=tf32")
+    assert applied == [("off", "cpu")]  # a CPU has no TF32: it runs (and logs) as fp32
+
+
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_channels_last_is_the_model_builders_alone(tmp_path, channels_last):
     """build_model converts the weights and DeepLab the input; the trainer converts nothing, and a step
@@ -91,3 +101,34 @@ def test_a_resume_by_another_world_size_reseeds_and_says_what_changed(tmp_path, 
             "order unchanged") in caplog.text
     assert "BN statistics still those of the whole (micro-)batch" in caplog.text
     second.close()
+
+
+def test_a_bad_mask_value_stops_training_before_the_batch_reaches_the_device(tmp_path, monkeypatch):
+    """The loss checks mask values only where that costs no host synchronization, so on CUDA a value outside
+    the classes reached cross-entropy as a device-side assert (every later CUDA call fails). The loss is made
+    to skip its check as on CUDA; the batch must be refused on the CPU, before the model runs, with the
+    loss's own one-line error."""
+    from syncseg.engine import loss
+
+    monkeypatch.setattr(loss, "mask_check_is_free", lambda device: False, raising=False)  # as on CUDA
+    config = load_config("demo.yaml", [f"output_dir={tmp_path}", *TINY, "train.amp=off", "train.val_interval=100",
+                                       "train.ckpt_interval=100", "train.precise_bn_batches=0"])
+    trainer = Trainer.from_config(config, DistInfo(), progress=False)
+    dataset_class = type(trainer.parts.train_set)
+    original = dataset_class.__getitem__
+
+    def with_a_bad_value(self, index):
+        image, mask = original(self, index)
+        mask = mask.clone()
+        mask[0, 0] = 9  # the demo has 6 classes
+        return image, mask
+
+    monkeypatch.setattr(dataset_class, "__getitem__", with_a_bad_value)
+    forwards = []
+    trainer.model.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"^mask value 9 is not a class index in 0\.\.5 nor ignore_index=255$"):
+            trainer.fit(stop_at=1)
+    finally:
+        trainer.close()
+    assert forwards == []  # refused in the loader, not by the loss after the forward

@@ -79,3 +79,61 @@ def test_the_cuda_probe_does_not_count_emulated_bf16(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
     assert devices.native_bf16(CUDA) is False and calls == [False]
+
+
+@pytest.fixture
+def tf32_flags():
+    """The process's TF32 flags, restored after the test (they are process-wide)."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _tf32():
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def test_off_on_cuda_is_full_fp32_not_cudnns_default_tf32(tf32_flags, monkeypatch):
+    """cuDNN computes fp32 convolutions in TF32 by default, so `amp: off` on an Ampere GPU ran TF32 while the
+    log said fp32. The flags are host settings: a CUDA device object is all the test needs."""
+    monkeypatch.setattr(devices, "native_tf32", lambda device: device.type == "cuda", raising=False)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True  # torch 2.14: conv TF32
+    with devices.autocast_for(CUDA, "off"):  # every forward: training, validation, eval.py, predict.py
+        assert _tf32() == (False, False)
+    assert _tf32() == (True, True)  # restored
+    devices.apply_fp32_precision("off", CUDA)  # process-wide, for training's backward
+    assert _tf32() == (False, False)
+    with devices.autocast_for(CUDA, "tf32"):
+        assert _tf32() == (True, True)
+    assert _tf32() == (False, False)
+    devices.apply_fp32_precision("tf32", CUDA)
+    assert _tf32() == (True, True)
+    devices.apply_fp32_precision("off", CPU)  # nothing to set off CUDA
+    assert _tf32() == (True, True)
+    # both views of torch's flags agree, so reading the legacy cuDNN flag does not raise (mixing APIs does)
+    assert torch.backends.cudnn.conv.fp32_precision == torch.backends.cudnn.rnn.fp32_precision == "tf32"
+
+
+def test_tf32_runs_where_the_device_has_it_and_the_log_names_it(monkeypatch, caplog):
+    monkeypatch.setattr(devices, "native_tf32", lambda device: device.type == "cuda")
+    assert devices.resolve_precision("tf32", CUDA) == ("tf32", "as configured")
+    assert devices.resolve_precision("tf32", CPU)[0] == "off"
+    monkeypatch.setattr(devices, "native_bf16", lambda device: True)
+    with caplog.at_level("INFO", logger="syncseg.engine.devices"):
+        assert devices.log_precision("train.amp", "off", CUDA) == "off"
+        assert devices.log_precision("train.amp", "tf32", CUDA) == "tf32"
+        assert devices.log_precision("train.amp", "auto", CUDA) == "bf16"
+        assert devices.log_precision("eval.amp", "tf32", CPU) == "off"
+    assert "train.amp=off: fp32 (TF32 off: matmuls and convolutions in full fp32)" in caplog.text
+    assert "train.amp=tf32: tf32 (fp32 tensors, matmuls and convolutions in TF32)" in caplog.text
+    assert "train.amp=auto: bf16 (TF32 off for what runs in fp32)" in caplog.text
+    assert "eval.amp=tf32: fp32 (tf32 as configured, but cpu has no TF32, so fp32)" in caplog.text
+    monkeypatch.setattr(devices, "native_tf32", lambda device: False)  # a pre-Ampere GPU
+    assert devices.resolve_precision("tf32", CUDA)[0] == "off"
+
+
+def test_tf32_is_fp32_tensors_and_the_usual_layout():
+    layer = torch.nn.Linear(4, 4)
+    with devices.autocast_for(CPU, "tf32"):  # runs as off on a CPU
+        assert layer(torch.randn(2, 4)).dtype == torch.float32
+    assert devices.resolve_channels_last("auto", "tf32", CPU)[0] is False

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import time
 import warnings
 
@@ -196,15 +197,25 @@ def test_inference_device_parses_and_checks_the_device(monkeypatch):
         inference_device("cpu", torchrun_device=torch.device("cpu"))
 
 
+class Torch211DDP(nn.Module):
+    """DistributedDataParallel's constructor as torch 2.11 (the GPU image's) declares it, as far as the
+    releases before 2.14 share it: no forward_sync_buffers, no **kwargs, so a keyword it lacks is a
+    TypeError as with the real class. Records what it was built with."""
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True, init_sync=True,
+                 process_group=None, bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False, delay_all_reduce_named_params=None,
+                 param_to_hook_all_reduce=None, mixed_precision=None, device_mesh=None,
+                 skip_all_reduce_unused_params=False):
+        super().__init__()
+        self.module = module
+        self.built_with = {"device_ids": device_ids, "broadcast_buffers": broadcast_buffers,
+                           "gradient_as_bucket_view": gradient_as_bucket_view}
+
+
 def test_the_buffer_sync_keyword_follows_the_installed_ddp_signature():
     """torch 2.14 renamed DDP's broadcast_buffers to forward_sync_buffers (warning on the old name); torch
     2.11, on the GPU image, has only broadcast_buffers and raised TypeError on the new one."""
-
-    class Torch211DDP:
-        def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
-                     process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
-                     gradient_as_bucket_view=False, static_graph=False):
-            pass
 
     class Torch214DDP:
         def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
@@ -217,9 +228,21 @@ def test_the_buffer_sync_keyword_follows_the_installed_ddp_signature():
 
     assert distributed.no_buffer_sync_option(Torch211DDP) == {"broadcast_buffers": False}
     assert distributed.no_buffer_sync_option(Torch214DDP) == {"forward_sync_buffers": False}
-    Torch211DDP(nn.Linear(2, 2), **distributed.no_buffer_sync_option(Torch211DDP))  # accepted as called
     with pytest.raises(ValueError, match="neither forward_sync_buffers nor broadcast_buffers"):
         distributed.no_buffer_sync_option(Unknown)
+
+
+def test_training_builds_its_ddp_with_keywords_torch_2_11_takes(monkeypatch):
+    """Only the keyword helper was checked against 2.11's signature, not the call that builds the DDP:
+    wrap_for_training builds it through distributed_data_parallel, with torch 2.11's class in place."""
+    model = nn.Linear(2, 2)
+    built = distributed.distributed_data_parallel(model, device_ids=[3], ddp_class=Torch211DDP)
+    assert built.module is model
+    assert built.built_with == {"device_ids": [3], "broadcast_buffers": False, "gradient_as_bucket_view": True}
+    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", Torch211DDP)  # the call site's own lookup
+    wrapped = wrap_for_training(model, DistInfo(mode="ddp"))
+    assert isinstance(wrapped, Torch211DDP) and wrapped.built_with == {
+        "device_ids": None, "broadcast_buffers": False, "gradient_as_bucket_view": True}
 
 
 def test_ddp_wrapping_uses_no_deprecated_argument_and_bucket_views(tmp_path):
@@ -296,3 +319,28 @@ def test_four_gloo_ranks_in_groups_of_two_reduce_within_their_group(tmp_path):
         group = results[first:first + 2]
         expected = nn.BatchNorm2d(3).double()(torch.cat([r["x"] for r in group]))
         torch.testing.assert_close(torch.cat([r["y"] for r in group]), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_nccl_leaves_a_hung_peer_to_the_one_line_error(monkeypatch):
+    """torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1: NCCL's watchdog then killed the process at the step's
+    timed-out all-reduce, queued before the gloo stop agreement with the same dist.timeout_s, so the
+    documented 'lost contact' line and exit 1 never came. The variable is read when the NCCL group is made:
+    it must say 2 (abort the communicators, keep the process) by then. The process-group call is faked."""
+    _fake_cuda(monkeypatch, 2)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun's agent sets it
+    seen = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda **kw: seen.append((kw["backend"], os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    setup_distributed(None, timeout_s=20)
+    assert seen == [("cpu:gloo,cuda:nccl", "2")]
+
+
+def test_gloo_alone_leaves_the_nccl_variable_alone(monkeypatch):
+    _fake_cuda(monkeypatch, 0)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    _as_torchrun_rank_1_of_2(monkeypatch)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"

@@ -133,3 +133,37 @@ def test_evaluate_skips_the_configured_ignore_label_not_a_fixed_one():
     counting = evaluate(TinySeg().eval(), loader, data_cfg=DATA, **common)
     assert ignoring["num_pixels"] == int((dataset.masks != 3).sum())
     assert counting["num_pixels"] == dataset.masks.numel()
+
+
+def test_validation_autotunes_only_the_image_sizes_that_come_back(monkeypatch):
+    """wrap_for_training turns cuDNN autotuning on for the process (the crops have one size), but
+    whole-image validation of VOC or ADE20K feeds each image at its own size, and every new size was
+    autotuned again. A size is autotuned only once it comes back; training gets its setting back after.
+    The flag is a host setting: a model that records it during each forward stands in for cuDNN."""
+    sizes = [(12, 14), (16, 10), (12, 14), (12, 14), (9, 9)]
+
+    class Sized(Dataset):
+        def __len__(self):
+            return len(sizes)
+
+        def __getitem__(self, index):
+            height, width = sizes[index]
+            return torch.zeros(3, height, width, dtype=torch.uint8), torch.zeros(height, width, dtype=torch.int64)
+
+    class Recording(TinySeg):
+        def forward(self, x):
+            seen.append((tuple(x.shape[-2:]), torch.backends.cudnn.benchmark))
+            return super().forward(x)
+
+    seen = []
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)  # as wrap_for_training leaves it on CUDA
+    loader = build_eval_loader(Sized(), batch_size=1, num_workers=0)
+    evaluate(Recording(), loader, num_classes=NUM_CLASSES, device="cpu", data_cfg=DATA, eval_cfg=EvalConfig(),
+             progress=False)
+    assert seen == [((12, 14), False), ((16, 10), False), ((12, 14), True), ((12, 14), True), ((9, 9), False)]
+    assert torch.backends.cudnn.benchmark is True  # training's setting, back
+    seen.clear()
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)  # eval.py: never turned on
+    evaluate(Recording(), loader, num_classes=NUM_CLASSES, device="cpu", data_cfg=DATA, eval_cfg=EvalConfig(),
+             progress=False)
+    assert [benchmark for _, benchmark in seen] == [False] * len(sizes)

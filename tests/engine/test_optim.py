@@ -113,3 +113,26 @@ def test_a_checkpoint_from_the_unfused_optimizer_resumes_fused_with_the_configur
     torch.testing.assert_close(new.state[params[0]]["exp_avg"], old.state[params[0]]["exp_avg"])
     new.step()  # the restored moments and step count go through the fused kernel
     assert int(new.state[params[0]]["step"]) == 2
+
+
+def test_an_unfused_checkpoint_resumed_fused_moves_each_step_to_its_parameter():
+    """torch moves a loaded `step` to the parameter's device only when the *saved* group was fused or
+    capturable, so an unfused (host-step) checkpoint loaded into the fused CUDA optimizer left host steps
+    for the fused kernel (with a GradScaler: `_foreach_sub_(steps, found_inf)` across devices). Parameters
+    on the meta device stand in for CUDA: the fused group must hold its steps where its parameters are.
+    (SGD keeps no step tensor: AdamW is the case.)"""
+    torch.manual_seed(0)
+    cpu_params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))]
+    old = torch.optim.AdamW(cpu_params, lr=0.1)  # fused=None: torch's loop, steps on the host
+    for param in cpu_params:
+        param.grad = torch.randn_like(param)
+    old.step()
+    meta_params = [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in cpu_params]
+    new = torch.optim.AdamW(meta_params, lr=0.1)
+    new.param_groups[0]["fused"] = True  # as build_optimizer configures it on CUDA (torch refuses meta here)
+    load_optimizer_state(new, old.state_dict())
+    for param in meta_params:
+        state = new.state[param]
+        assert state["step"].device == param.device, f"step on {state['step'].device}, parameter on {param.device}"
+        assert state["step"].dtype == torch.float32
+        assert state["exp_avg"].device == param.device  # the moments already followed their parameter

@@ -110,7 +110,8 @@ def test_shard_sampler_is_a_disjoint_cover_without_padding(count, world):
 def test_loaders_do_not_draw_on_the_global_rng():
     """A validation pass (or a new epoch) in the middle of training must not shift its random stream."""
     sampler = ResumableBatchSampler(8, global_batch=2, seed=0)
-    loaders = [build_train_loader(list(zip(range(8), range(8))), sampler, num_workers=0, pin_memory=False, seed=0),
+    loaders = [build_train_loader(list(zip(range(8), range(8))), sampler, num_workers=0, pin_memory=False, seed=0,
+                                  num_classes=8, ignore_index=255),
                build_eval_loader(list(range(5)), batch_size=2)]
     for loader in loaders:
         torch.manual_seed(1)
@@ -122,11 +123,12 @@ def test_loaders_do_not_draw_on_the_global_rng():
 
 def test_train_batches_resume_at_any_iteration_across_epochs():
     sampler = ResumableBatchSampler(10, global_batch=4, seed=2)  # 2 batches per epoch
-    loader = build_train_loader(_Indexed(), sampler, num_workers=0, pin_memory=False, seed=0)
-    straight = [batch.tolist() for _, batch in zip(range(5), train_batches(loader, 0))]
+    loader = build_train_loader(_Indexed(), sampler, num_workers=0, pin_memory=False, seed=0, num_classes=10,
+                                ignore_index=255)
+    straight = [batch.tolist() for _, (batch, _) in zip(range(5), train_batches(loader, 0))]
     assert straight[0] != straight[2]  # a new epoch draws a new order
     for start in range(4):
-        resumed = [batch.tolist() for _, batch in zip(range(5 - start), train_batches(loader, start))]
+        resumed = [batch.tolist() for _, (batch, _) in zip(range(5 - start), train_batches(loader, start))]
         assert resumed == straight[start:]
 
 
@@ -135,4 +137,4 @@ class _Indexed(Dataset):
         return 10
 
     def __getitem__(self, key):
-        return torch.tensor(key)  # SeededDataset passes the index
+        return torch.tensor(key), torch.tensor(key)  # SeededDataset passes the index; (image, mask) pairs

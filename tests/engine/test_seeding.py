@@ -5,11 +5,13 @@ import random
 
 import cv2
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from syncseg.engine.checkpoint import load_checkpoint, save_checkpoint
 from syncseg.engine.samplers import ResumableBatchSampler
+from syncseg.engine import seeding
 from syncseg.engine.seeding import SeededDataset, capture_rng_state, restore_rng_state, worker_init
 
 
@@ -47,6 +49,29 @@ def test_seeded_dataset_is_a_function_of_index_and_seed_and_leaves_global_rng_al
     other = dataset[(3, 43)]
     assert torch.equal(first, second)
     assert (first[1:] != other[1:]).all()  # every random source follows the sample seed
+
+
+@pytest.mark.parametrize("in_worker", [False, True])
+def test_seeded_dataset_never_reseeds_the_gpus_and_restores_every_host_state(monkeypatch, in_worker):
+    """torch.manual_seed also seeds every CUDA generator, and only the host states were restored: each
+    PreciseBN pass (always in the main process) reset the GPUs' streams, so dropout repeated after every
+    validation. Loading a sample must seed the host generators only."""
+    cuda_seeds = []
+    for name in ("manual_seed_all", "manual_seed"):
+        monkeypatch.setattr(torch.cuda, name, lambda seed, _name=name: cuda_seeds.append((_name, seed)))
+    if in_worker:  # a worker's streams serve nothing else, but it must not touch CUDA either
+        monkeypatch.setattr(seeding, "get_worker_info", lambda: object())
+    dataset = SeededDataset(_RandomDataset())
+    torch.manual_seed(0), np.random.seed(1), random.seed(2)
+    cuda_seeds.clear()
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    first = dataset[(3, 42)]
+    assert cuda_seeds == []
+    if not in_worker:
+        assert torch.equal(torch.get_rng_state(), before[0])
+        assert np.array_equal(np.random.get_state()[1], before[1])
+        assert random.getstate() == before[2]
+    assert torch.equal(first, dataset[(3, 42)])  # still a function of (index, seed)
 
 
 def test_the_real_augmentation_follows_the_sample_seed():

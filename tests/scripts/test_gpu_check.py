@@ -30,9 +30,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 HIDER = ROOT / "scripts" / "gpu_image"
-OUT_FILES = {"summary.txt", "environment.txt", "cuda_tests.txt", "train.txt", "train_metrics.json", "benchmarks.txt",
-             "bench_syncbn_cuda.json", "bench_cuda.json"}
-FIXED_STEPS = ["environment", "deps", "train_gpu0", "train_ddp2", "bench_syncbn", "bench_cuda"]
+OUT_FILES = {"summary.txt", "environment.txt", "train.txt", "train_metrics.json", "probes.txt", "cuda_tests.txt",
+             "benchmarks.txt", "bench_cuda.json"}
+TRAININGS = ["train_fp16_resume", "train_bf16_channels_last", "train_off_sigterm", "train_ddp2"]
+PROBES = ["tf32", "bad_mask", "two_processes_one_gpu", "dp_one_gpu", "compile_syncbn", "val_autotune"]
+# in the script's order: the most informative first, the CUDA test files between these two lists
+STEPS_BEFORE_TESTS = ["environment", "deps", *TRAININGS, *PROBES]
+STEPS_AFTER_TESTS = ["bench_cuda", "bench_syncbn"]
+FIXED_STEPS = STEPS_BEFORE_TESTS + STEPS_AFTER_TESTS
 LINE = re.compile(r"^(PASS|FAIL|TIMEOUT|SKIPPED) +(\d+)s  (\S+) *(.*)$")
 
 
@@ -69,10 +74,10 @@ def check_file_set(out: Path, steps: dict) -> None:
     files = {p.relative_to(out).as_posix(): p.stat().st_size for p in out.rglob("*") if p.is_file()}
     assert set(files) == OUT_FILES, sorted(files)
     assert all(size < 16 * 2**20 for size in files.values()), files
-    expected = FIXED_STEPS[:2] + [f"cuda_tests:{f}" for f in cuda_test_files()] + FIXED_STEPS[2:]
+    expected = STEPS_BEFORE_TESTS + [f"cuda_tests:{f}" for f in cuda_test_files()] + STEPS_AFTER_TESTS
     assert list(steps) == expected, (out / "summary.txt").read_text()
-    for name in ("bench_syncbn_cuda.json", "bench_cuda.json"):
-        assert "gpu_check" in json.loads((out / name).read_text()), name
+    assert "gpu_check" in json.loads((out / "bench_cuda.json").read_text())
+    assert set(json.loads((out / "train_metrics.json").read_text())) == set(TRAININGS)
     assert "finished with status" in (out / "summary.txt").read_text().splitlines()[-1]
 
 
@@ -122,7 +127,7 @@ def run_dry(tmp_path: Path, wheels: Path) -> tuple[subprocess.CompletedProcess, 
     """The dry run as the GPU image would see it, started outside the repository with a relative OUT."""
     environment = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(HIDER), "TMPDIR": str(tmp_path)}
     result = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--wheels", str(wheels), "out"], cwd=tmp_path,
-                            env=environment, capture_output=True, text=True, timeout=400)
+                            env=environment, capture_output=True, text=True, timeout=540)
     return result, tmp_path / "out"
 
 
@@ -183,8 +188,9 @@ def test_wheel_check_accepts_the_closure_and_names_what_is_missing(venv_wheels, 
 
 @pytest.mark.slow
 def test_dry_run_without_wheels_reports_every_step_and_keeps_going(tmp_path):
-    """Missing albumentations and no wheels: deps fails with what to do, the torch-only CUDA tests and
-    the layer part of bench_cuda still run, and bench_cuda's JSON records the engine's ImportError."""
+    """Missing albumentations and no wheels: deps fails with what to do, the trainings and the probes that need
+    the data pipeline say so, the torch-only probes, CUDA tests and the layer part of bench_cuda still run,
+    and bench_cuda's JSON records the engine's ImportError."""
     empty = tmp_path / "no_wheels"
     empty.mkdir()
     result, out = run_dry(tmp_path, empty)
@@ -194,14 +200,16 @@ def test_dry_run_without_wheels_reports_every_step_and_keeps_going(tmp_path):
     status, detail = steps["deps"]
     assert status == "FAIL" and "albumentations" in detail and "gpu_wheels.py" in detail
     assert steps["cuda_tests:model/sync_batchnorm/test_cuda.py"][0] == "SKIPPED"  # ran: the tests skip themselves
-    assert steps["train_gpu0"] == ("SKIPPED", "the runtime requirements do not import (deps)")
-    assert steps["train_ddp2"][0] == "SKIPPED"
+    for step in (*TRAININGS, "bad_mask", "val_autotune"):
+        assert steps[step] == ("SKIPPED", "the runtime requirements do not import (deps)"), step
+    for step in ("tf32", "two_processes_one_gpu", "compile_syncbn"):  # torch and the package's layers only
+        assert steps[step][0] == "SKIPPED" and steps[step][1].startswith("dry run: "), (step, steps[step])
     assert steps["bench_cuda"][0] == "FAIL"
     record = json.loads((out / "bench_cuda.json").read_text())
     assert record["single_process"] and record["targets"]  # the layer part survived
     assert "albumentations" in record["training"]["error"]
     metrics = json.loads((out / "train_metrics.json").read_text())
-    assert set(metrics) == {"train_gpu0", "train_ddp2"} and metrics["train_gpu0"]["outcome"] == "not run"
+    assert all(metrics[name]["outcome"] == "not run" for name in TRAININGS)
     assert not list(tmp_path.glob("gpu_check.*"))  # the work folder is gone
 
 
@@ -219,12 +227,19 @@ def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_
     environment = (out / "environment.txt").read_text()
     assert re.search(r"^albumentations \S+ .*gpu_check\.\w+/site/albumentations/__init__\.py$", environment, re.M)
     assert all(status == "SKIPPED" for step, (status, _) in steps.items() if step not in ("environment", "deps"))
-    assert "1-iteration CPU run" in steps["train_gpu0"][1]
+    assert "its last.pt made unfused, resumed to 2" in steps["train_fp16_resume"][1]
+    assert "exit 143" in steps["train_off_sigterm"][1] and "stopped at iteration" in steps["train_off_sigterm"][1]
+    assert "exit 2 and one line: ...mask value 9 is not a class index" in steps["bad_mask"][1]
+    assert "the survivor's line is the lost-contact line" in steps["two_processes_one_gpu"][1]
+    assert "1 graph(s), 0 break(s), compiled with aot_eager" in steps["compile_syncbn"][1]
+    assert "evaluate()'s rule" in steps["val_autotune"][1]
+    assert steps["dp_one_gpu"] == ("SKIPPED", "needs CUDA: DataParallel replicates only onto GPUs")
     metrics = json.loads((out / "train_metrics.json").read_text())
-    gpu0 = metrics["train_gpu0"]
-    assert gpu0["outcome"] == "done" and gpu0["dry_run"] is True
-    assert [r["type"] for r in gpu0["metrics"]] == ["train", "val"]
-    assert "last.pt" in gpu0["run_files"]  # listed, not copied
+    resumed = metrics["train_fp16_resume"]
+    assert resumed["outcome"] == "done" and resumed["dry_run"] is True
+    assert [(r["type"], r["iteration"]) for r in resumed["metrics"]] == [("train", 1), ("val", 1), ("train", 2), ("val", 2)]
+    assert "last.pt" in resumed["run_files"]  # listed, not copied
+    assert metrics["train_off_sigterm"]["outcome"] == "done" and "last.pt" in metrics["train_off_sigterm"]["run_files"]
     assert "engine imports" in json.loads((out / "bench_cuda.json").read_text())["training"]["skipped"]
     assert not list(tmp_path.glob("gpu_check.*"))
 
@@ -257,10 +272,11 @@ exec {sys.executable} "$@"
     steps = summary_lines(out)
     check_file_set(out, steps)
     assert result.returncode == 1
-    assert steps["train_gpu0"][0] == "TIMEOUT" and steps["train_gpu0"][1].startswith("stopped after"), result.stdout
-    for step in ("bench_syncbn", "bench_cuda"):
-        assert steps[step] == ("SKIPPED", f"not run: the {BUDGET} s budget of all steps is spent"), result.stdout
-    assert json.loads((out / "train_metrics.json").read_text())["train_gpu0"]["outcome"] == "timed out"
+    first = steps["train_fp16_resume"]
+    assert first[0] == "TIMEOUT" and first[1].startswith("stopped after"), result.stdout
+    for step in (*TRAININGS[1:3], *PROBES, *STEPS_AFTER_TESTS):
+        assert steps[step] == ("SKIPPED", f"not run: the {BUDGET} s budget of all steps is spent"), (step, result.stdout)
+    assert json.loads((out / "train_metrics.json").read_text())["train_fp16_resume"]["outcome"] == "timed out"
     assert json.loads((out / "bench_cuda.json").read_text())["gpu_check"]["outcome"].startswith("not run")
     assert elapsed < BUDGET + 10 + 15, elapsed  # budget, timeout's kill grace, the bookkeeping
     assert not list(tmp_path.glob("gpu_check.*"))

@@ -29,8 +29,9 @@ from syncseg.registry import Registry
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 # autocast for training (train.amp) and inference (eval.amp); auto: by the device's capability
-# (syncseg.engine.devices.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32)
-Precision = Literal["auto", "off", "fp16", "bf16"]
+# (syncseg.engine.devices.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32);
+# off: full fp32 (no TF32 on CUDA); tf32: fp32 tensors with TF32 matmuls and convolutions on Ampere and later
+Precision = Literal["auto", "off", "tf32", "fp16", "bf16"]
 
 
 @dataclass(frozen=True)
