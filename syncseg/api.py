@@ -13,6 +13,7 @@ the key, value or file.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,11 @@ def train(config: Config | str | Path, overrides: list[str] | tuple[str, ...] = 
     input, FloatingPointError for a non-finite loss; a SIGINT/SIGTERM saves last.pt and returns (reason
     "signal").
     """
+    from syncseg.engine.allocator import keep_freed_memory
     from syncseg.engine.distributed import cleanup, detect_launch, setup_distributed
     from syncseg.engine.run_plan import ConfigSource, dist_timeout
 
+    logging.getLogger("syncseg.api").info(keep_freed_memory())
     source = ConfigSource(config)
     launch = detect_launch()
     dist_info = setup_distributed(gpus, timeout_s=dist_timeout(source, resume, list(overrides)), launch=launch)
@@ -143,8 +146,10 @@ def load_model(checkpoint: str | Path, *, device: str | torch.device = "cpu",
     The network is rebuilt from the stored config; `overrides` (KEY=VALUE, e.g. "eval.mode=slide") apply on
     top. Raises FileNotFoundError / ValueError naming the file or the tensor that does not fit.
     """
+    from syncseg.engine.allocator import keep_freed_memory
     from syncseg.engine.inference_model import load_inference_model
 
+    logging.getLogger("syncseg.api").info(keep_freed_memory())
     return Predictor.from_loaded(load_inference_model(checkpoint, device=torch.device(device),
                                                       overrides=list(overrides)))
 

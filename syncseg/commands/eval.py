@@ -247,6 +247,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     is_main = dist_info is None or dist_info.is_main
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt=TIME_FORMAT)
+    from syncseg.engine.allocator import keep_freed_memory
+
+    logging.getLogger("eval").info(keep_freed_memory())
     failed = True
     try:
         record, metrics = run(args, dist_info)

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt=TIME_FORMAT)
+    from syncseg.engine.allocator import keep_freed_memory
+
+    logger.info(keep_freed_memory())
 
     def body() -> int:
         outcome = run(args)

@@ -81,6 +81,9 @@ def train(args: argparse.Namespace, where: dict[str, Any]) -> int:
                "%(name)s: %(message)s",
         datefmt=TIME_FORMAT,
     )
+    from syncseg.engine.allocator import keep_freed_memory
+
+    logger.info(keep_freed_memory())  # before the first large tensor (rank 0 logs at INFO)
     source = ConfigSource(args.config)  # read once, for the timeout and for the plan
     timeout_s = dist_timeout(source, args.resume, args.overrides)
     dist_info = setup_distributed(args.gpus, timeout_s=timeout_s, launch=launch)
