@@ -4,10 +4,11 @@ validation stopped improving (memorizing the training pixels), with the config k
 The two signs, both needed:
 
 - the training loss (the mean of the last RECENT_STEPS steps) is under LOSS_FRACTION of its start (the mean of
-  the first START_STEPS steps of this fit: few, since a run without warmup can lose half its loss in 10 steps). Cross-entropy starts near ln(num_classes) (1.9 for 7 classes); at
-  1% of that the true class gets ~0.98 of the probability on every labelled training pixel: what a run that
-  memorizes a few labelled pixels reaches (issue 32: 0.002 from 1.9 at iteration 200), while healthy runs on
-  full labels level off at a few percent of their start (VOC from scratch: ~0.1-0.2 from ~3);
+  the first START_STEPS steps of this fit: few, since a run without warmup can lose half its loss in 10
+  steps). Cross-entropy starts near ln(num_classes) (1.9 for 7 classes); at 1% of that the true class gets
+  ~0.98 of the probability on every labelled training pixel: what a run that memorizes a few labelled
+  pixels reaches (issue 32: 0.002 from 1.9 at iteration 200), while healthy runs on full labels level off
+  at a few percent of their start (VOC from scratch: ~0.1-0.2 from ~3);
 - validation mIoU made no new best for the last PATIENCE validations (a single flat validation is noise).
 
 best.pt needs nothing from here: it is written at each new best validation only (Trainer._validation), so it
@@ -25,10 +26,11 @@ START_STEPS = 3
 RECENT_STEPS = 10
 
 ADVICE = (
-    "augment more (data.scale_range wider, data.hflip, a smaller data.crop_size), regularize (train.weight_decay higher, model.aspp_dropout, train.ema_decay), train fewer "
-    "steps (train.iters; best.pt already keeps the best validation), or a lighter model (model.arch=deeplabv3, "
-    "model.head_channels, model.backbone=resnet18); for few images or sparse labels start from "
-    "configs/small_data.yaml (docs/own-data.md, \"Few images or sparse labels\")"
+    "augment more (data.scale_range wider, data.hflip, data.rot90 for images with no up such as overhead or "
+    "microscope ones, a smaller data.crop_size), regularize (train.weight_decay higher, model.aspp_dropout, "
+    "train.ema_decay), train fewer steps (train.iters; best.pt already keeps the best validation), or a lighter "
+    "model (model.arch=deeplabv3, model.head_channels, model.backbone=resnet18); for few images or sparse labels "
+    "start from configs/small_data.yaml (docs/own-data.md, \"Few images or sparse labels\")"
 )
 
 
@@ -75,7 +77,8 @@ class OverfittingWatch:
             return None
         self.warned = True
         since = f" since iteration {self.best_iteration}" if self.best_iteration is not None else ""
-        return (f"overfitting: at iteration {iteration} the training loss ({recent:.4g}) is {100 * recent / start:.2g}% "
-                f"of its start ({start:.4g}), but val mIoU has made no new best for {self.validations_since_best} "
+        share = 100 * recent / start
+        return (f"overfitting: at iteration {iteration} the training loss ({recent:.4g}) is {share:.2g}% of its start"
+                f" ({start:.4g}), but val mIoU has made no new best for {self.validations_since_best} "
                 f"validations (best {self.best_miou:.4f}{since}; best.pt holds it): the model memorizes its "
                 f"training pixels. What usually helps: {ADVICE}")

@@ -343,6 +343,13 @@ def test_mask_encodings_are_for_datasets_with_mask_files_and_check_fixed_class_c
 TWO_CLASS_FOLDER = ["data.dataset=folder", "data.num_classes=2"]
 
 
+def test_rot90_needs_a_square_crop():
+    assert load_config(None, ["data.rot90=true", "data.crop_size=64"]).data.rot90 is True
+    with pytest.raises(ValueError, match=r"^command line: data\.rot90 with data\.crop_size=64,96 \(height,width\): a "
+                                         r"rotation by 90 degrees swaps height and width.*data\.crop_size=64\)"):
+        load_config(None, ["data.rot90=true", "data.crop_size=64,96"])
+
+
 def test_the_tool_that_measures_mean_and_std_loads_a_config_without_them(tmp_path):
     """Issue 32 item 1: verify_dataset loads with normalization_unknown, so data.in_channels=N without a mean or
     std of N values (what it prints) is no error there; what the file or the command line does set is kept and

@@ -38,7 +38,8 @@ def test_memorizing_while_validation_stalls_warns_once_naming_the_keys_that_help
                               "val mIoU has made no new best for 2 validations (best 0.3500 since iteration 4; "
                               "best.pt holds it)")
     assert message.endswith(ADVICE)
-    for key in ("data.scale_range", "data.hflip", "data.crop_size", "train.weight_decay", "model.aspp_dropout",
+    for key in ("data.scale_range", "data.hflip", "data.rot90", "data.crop_size", "train.weight_decay",
+                "model.aspp_dropout",
                 "train.iters", "configs/small_data.yaml"):
         assert key in message
 
