@@ -20,7 +20,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from syncseg.data.checks import image_format_warnings, repeated_names_warning, stored_formats
-from syncseg.data.images import ImageFormat, read_image, read_stored_image
+from syncseg.data.images import ImageFormat, read_image, read_stored_image, starts_as_tiff, tiff_layout
 from syncseg.data.masks import BadSampleError, LabelTarget, MaskDecoder, MaskSampleReport, inspect_masks, read_index_mask
 from syncseg.data.palettes import palette_table
 from syncseg.data.transforms import IGNORE_INDEX, to_tensors
@@ -147,13 +147,19 @@ class SegmentationDataset(Dataset):
     def image_size(self, index: int) -> tuple[int, int]:
         """(height, width) of sample `index`'s image file, from its header (nothing is decoded)."""
         path = self.samples[index][0]
+        if starts_as_tiff(path):  # tifffile reads any band count's header; Pillow refuses (and logs) many
+            try:
+                layout = tiff_layout(path)
+                return layout.height, layout.width
+            except BadSampleError:
+                pass  # a header tifffile does not parse: Pillow's turn
         try:
             with Image.open(path) as image:
                 width, height = image.size
         except (OSError, SyntaxError) as error:
             if self.image_format.is_rgb8:
                 raise BadSampleError(f"cannot read image '{path}': {error}") from None
-            return read_stored_image(path).shape[:2]  # e.g. a TIFF of more bands than Pillow reads
+            return read_stored_image(path).shape[:2]
         return height, width
 
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:

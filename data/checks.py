@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from syncseg.data.constants import NAMED_FILES
+from syncseg.data.constants import COLOUR_READER_CHANNELS, NAMED_FILES
 from syncseg.data.images import ImageFormat, read_stored_image
 from syncseg.data.masks import BadSampleError
 
@@ -99,11 +99,12 @@ def image_format_warnings(formats: Sequence[StoredFormat], image_format: ImageFo
     """What reading the images of `formats` (all those looked at) with `image_format` (data.in_channels,
     data.max_value) loses or distorts, one warning per format, with the config that reads them as stored.
 
-    8-bit RGB (the default reader, cv2's colour conversion): 16-bit files are cut to their top 8 bits and
-    2-channel files lose their second channel, in any number; grey (tripled) and 4+ channel files (cut to
-    RGB) only when they are the most common format, since a few grey or RGBA files among photos are read
-    as photos should be. Other formats: values above data.max_value. A file of another channel count or
-    bit depth than a non-RGB format is a bad sample of its own (read_image), not a warning."""
+    8-bit RGB (the default reader, cv2's colour conversion): 16-bit files are cut to their top 8 bits,
+    2-channel files lose their second channel and files of more than 4 bands cannot be read at all, in any
+    number; grey (tripled) and 4-channel files (cut to RGB) only when they are the most common format,
+    since a few grey or RGBA files among photos are read as photos should be. Other formats: values above
+    data.max_value. A file of another channel count or bit depth than a non-RGB format is a bad sample of its
+    own (read_image), not a warning."""
     num_checked = sum(len(group.paths) for group in formats)
     most_common = max(formats, key=lambda group: len(group.paths)) if formats else None
     warnings = []
@@ -120,9 +121,11 @@ def image_format_warnings(formats: Sequence[StoredFormat], image_format: ImageFo
         elif image_format.is_rgb8 and group.channels == 2:
             warnings.append(f"{which} 2-channel, fewer than data.in_channels={image_format.channels}: read as RGB, "
                             f"the first channel is tripled and the second dropped; {as_stored}")
+        elif image_format.is_rgb8 and group.channels > COLOUR_READER_CHANNELS:
+            warnings.append(f"{which} {group.channels}-channel; {reads} reads images as 8-bit RGB, from files of 1 to "
+                            f"{COLOUR_READER_CHANNELS} channels: each of them is a bad sample; {as_stored}")
         elif image_format.is_rgb8 and group is most_common and group.channels != image_format.channels:
-            kept = ("grey tripled" if group.channels == 1 else "the 4th channel dropped" if group.channels == 4
-                    else f"channels 4-{group.channels} dropped")
+            kept = "grey tripled" if group.channels == 1 else "the 4th channel dropped"
             warnings.append(f"{which} {group.channels}-channel; {reads} reads them as RGB ({kept}): {as_stored}")
         elif not image_format.is_rgb8 and (group.channels, group.bits) == (image_format.channels,
                                                                            8 * np.dtype(image_format.dtype).itemsize):

@@ -14,6 +14,7 @@ IGNORE_INDEX = 255  # data.ignore_index's default: the mask value that no loss o
 RGB_CHANNELS = 3  # data.in_channels' default
 MAX_CHANNELS = 128  # data.in_channels' limit: cv2 (resize, flip: the augmentations) refuses images of more
 MAX_8BIT, MAX_16BIT = 255, 65535  # data.max_value's default and its largest value
+COLOUR_READER_CHANNELS = 4  # the most channels the 8-bit RGB reader (cv2's colour decode) takes from a file: RGBA
 
 # normalization (syncseg.data.transforms.normalize_batch): data.mean and data.std's defaults
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # 0-1 units (x / data.max_value), RGB

@@ -5,6 +5,8 @@ The config's `ImageFormat` chooses one of two readers:
 
 - 8-bit RGB (data.in_channels=3 and data.max_value <= 255, the default): cv2's IMREAD_COLOR_RGB, as
   syncseg always read images: a grey image is tripled, an alpha channel dropped, a 16-bit file cut to 8 bits.
+  A TIFF of more than 4 bands, which cv2 cannot decode, is a BadSampleError naming its band count and the
+  keys that read it (its header is read first: it never reaches cv2).
 - any other format: the file as stored (`read_stored_image`: cv2's IMREAD_UNCHANGED, tifffile for
   TIFF, which holds any number of bands), and a file whose channel count or bit depth is not the
   format's is a BadSampleError naming the file, what it holds and what the config expects.
@@ -16,13 +18,16 @@ RGB-NIR image saved as a 4-channel PNG is R, G, B, NIR.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 import cv2
 import numpy as np
 
-from syncseg.data.constants import MAX_8BIT, RGB_CHANNELS
+from syncseg.data.constants import COLOUR_READER_CHANNELS, MAX_8BIT, RGB_CHANNELS
 from syncseg.data.masks import BadSampleError
 
 _IMAGE_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # masks ignore EXIF too
@@ -30,6 +35,9 @@ _JPEG_START, _JPEG_END = b"\xff\xd8", b"\xff\xd9"
 _JPEG_TAIL = 4096  # where the end marker must be; tools append at most a little padding after it
 _TIFF_STARTS = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # classic and BigTIFF, both byte orders
 _SAMPLE_TYPES = (np.uint8, np.uint16)
+# the Python image libraries log their own guesses about a file they cannot read ("More samples per pixel
+# than can be decoded: 13"); the caller's one line naming the file says it instead
+_CHATTY_LOGGERS = ("PIL", "tifffile")
 
 
 def image_dtype(max_value: int) -> type:
@@ -87,7 +95,7 @@ def _why_unreadable(path: str | os.PathLike) -> str:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
+        with _quiet_image_loggers(), Image.open(path) as image:
             image.load()
     except UnidentifiedImageError:
         return "not an image, or damaged at its start"
@@ -107,29 +115,96 @@ def _file_bytes(path: str | os.PathLike) -> np.ndarray:
     return data
 
 
+@contextlib.contextmanager
+def _quiet_image_loggers() -> Iterator[None]:
+    """Pillow's and tifffile's log records dropped for the block (restored after it): an unreadable file is one
+    BadSampleError naming it, not the library's lines first. Decodes run in one thread per process."""
+    loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
+    disabled = [item.disabled for item in loggers]
+    for item in loggers:
+        item.disabled = True
+    try:
+        yield
+    finally:
+        for item, was in zip(loggers, disabled):
+            item.disabled = was
+
+
+@dataclass(frozen=True)
+class TiffLayout:
+    """The first image of a TIFF as its header describes it: `height`, `width`, `bands` (samples, planes or
+    pages) and `bits` per sample; `bands_first` when the bands are planes or pages (a band axis before YX)."""
+
+    height: int
+    width: int
+    bands: int
+    bits: int
+    bands_first: bool
+
+
+def _layout_of(shape: tuple[int, ...], axes: str, dtype: np.dtype, path: str | os.PathLike) -> TiffLayout:
+    bits = _bits(dtype)
+    if len(shape) == 2:
+        return TiffLayout(shape[0], shape[1], 1, bits, False)
+    if len(shape) == 3 and axes.endswith("YXS"):
+        return TiffLayout(shape[0], shape[1], shape[2], bits, False)
+    if len(shape) == 3 and axes.endswith("YX"):
+        return TiffLayout(shape[1], shape[2], shape[0], bits, True)
+    raise BadSampleError(f"TIFF image '{path}' holds an array of shape {shape} (axes {axes}); expected one "
+                         "image: height x width, with its bands as samples (YXS), planes or pages (a band axis "
+                         "before YX)")
+
+
+def tiff_layout(path: str | os.PathLike) -> TiffLayout:
+    """The TIFF `path`'s first image from its header, no pixel decoded; BadSampleError naming the file when
+    the header cannot be read or holds more than one image."""
+    import tifffile
+
+    try:
+        with _quiet_image_loggers(), tifffile.TiffFile(os.fspath(path)) as tiff:
+            series = tiff.series[0]
+            shape, axes, dtype = tuple(series.shape), series.axes, series.dtype
+    except Exception as error:  # tifffile raises its own types for corrupt or unsupported files
+        raise BadSampleError(f"cannot read TIFF image '{path}': {error}") from None
+    return _layout_of(shape, axes, dtype, path)
+
+
 def _tiff_bands_last(path: str | os.PathLike) -> np.ndarray:
     """The first image of a TIFF as H x W x bands, whether its bands are samples (YXS), planes (SYX) or
     pages (a band axis before YX)."""
     import tifffile
 
     try:
-        with tifffile.TiffFile(os.fspath(path)) as tiff:
+        with _quiet_image_loggers(), tifffile.TiffFile(os.fspath(path)) as tiff:
             series = tiff.series[0]
             array, axes = series.asarray(), series.axes
     except Exception as error:  # tifffile raises its own types for corrupt or unsupported files
         raise BadSampleError(f"cannot read TIFF image '{path}': {error}") from None
+    layout = _layout_of(array.shape, axes, array.dtype, path)
     if array.ndim == 2:
         return array[..., None]
-    if array.ndim == 3 and axes.endswith("YXS"):
-        return array
-    if array.ndim == 3 and axes.endswith("YX"):
-        return np.moveaxis(array, 0, -1)
-    raise BadSampleError(f"TIFF image '{path}' holds an array of shape {array.shape} (axes {axes}); expected one "
-                         "image: height x width, with its bands as samples (YXS), planes or pages (a band axis "
-                         "before YX)")
+    return np.moveaxis(array, 0, -1) if layout.bands_first else array
 
 
-def _starts_as_tiff(path: str | os.PathLike) -> bool:
+def _check_colour_readable(path: str | os.PathLike, image_format: ImageFormat) -> None:
+    """BadSampleError for a TIFF of more bands than cv2's colour reader decodes, naming the keys that read it as
+    stored. A header tifffile cannot parse is left to cv2, whose failure is named as any other."""
+    try:
+        layout = tiff_layout(path)
+    except BadSampleError:
+        return
+    if layout.bands <= COLOUR_READER_CHANNELS:
+        return
+    scale = "255" if layout.bits == 8 else "its full scale (4095 for 12-bit values, 65535 for 16-bit)"
+    raise BadSampleError(
+        f"image '{path}' is a TIFF of {layout.bands} bands ({layout.bits}-bit), but data.in_channels="
+        f"{image_format.channels} with data.max_value={image_format.max_value} reads images as 8-bit RGB, from "
+        f"files of 1 to {COLOUR_READER_CHANNELS} channels; to read it as stored, set data.in_channels="
+        f"{layout.bands} and data.max_value to {scale} (scripts/verify_dataset.py prints these with their "
+        "data.mean and data.std)")
+
+
+def starts_as_tiff(path: str | os.PathLike) -> bool:
     """Whether the file begins with a TIFF signature (False when it cannot be read: _file_bytes says why)."""
     try:
         with open(path, "rb") as file:
@@ -142,7 +217,7 @@ def read_stored_image(path: str | os.PathLike) -> np.ndarray:
     """H x W x C as the file stores it: C channels in RGB(A) order for colour files, uint8 or uint16.
     BadSampleError naming the file when it is missing, not an image, or holds samples that are not 8- or
     16-bit unsigned integers."""
-    if _starts_as_tiff(path):  # tifffile reads the file itself: no second read of it into memory
+    if starts_as_tiff(path):  # tifffile reads the file itself: no second read of it into memory
         image = _tiff_bands_last(path)
     else:
         image = _decode(_file_bytes(path), cv2.IMREAD_UNCHANGED, path)
@@ -169,6 +244,8 @@ def read_image(path: str | os.PathLike, image_format: ImageFormat = ImageFormat(
         image = read_stored_image(path)
         _check_format(image, path, image_format)
         return image
+    if starts_as_tiff(path):
+        _check_colour_readable(path, image_format)
     flags = cv2.IMREAD_COLOR_RGB if exif_orientation else _IMAGE_READ_FLAGS
     return _decode(_file_bytes(path), flags, path)
 

@@ -114,11 +114,15 @@ def build_train_augmentation(
     hflip: bool = True,
     photometric: bool = False,
     ignore_index: int = IGNORE_INDEX,
+    rot90: bool = False,
 ) -> A.Compose:
     """Random scale -> pad to `crop_size` (H,W or one int for a square; image 0, mask `ignore_index`)
-    -> random crop -> flip.
+    -> random crop -> flip -> with `rot90`, a rotation by 0, 90, 180 or 270 degrees (images with no "up":
+    overhead, microscope; with the horizontal flip, every one of the square's 8 symmetries). A rotation by
+    90 degrees swaps height and width, so `rot90` needs a square crop (the config checks it).
 
-    The first three steps are one RandomScaleCrop (resizes only what lands in the crop). Geometric ops use cv2 interpolation (linear for the image, nearest for the mask). Optional
+    The first three steps are one RandomScaleCrop (resizes only what lands in the crop). Geometric ops use
+    cv2 interpolation (linear for the image, nearest for the mask). Optional
     photometric jitter and blur touch the image only (8-bit RGB). Output arrays keep the input's type and
     channels.
     """
@@ -126,6 +130,11 @@ def build_train_augmentation(
     steps: list[Any] = [RandomScaleCrop(crop_size, (low, high), fill=0, fill_mask=ignore_index)]
     if hflip:
         steps.append(A.HorizontalFlip(p=0.5))
+    if rot90:
+        height, width = height_width(crop_size)
+        if height != width:
+            raise ValueError(f"rot90 needs a square crop, got crop_size {height},{width}")
+        steps.append(A.RandomRotate90(p=1.0))
     if photometric:
         steps += [
             A.ColorJitter(brightness=0.25, contrast=0.25, saturation=0.25, hue=0.02, p=0.5),
@@ -171,7 +180,7 @@ class PairTransform:
 
 
 def build_train_transform(data_cfg: Any) -> PairTransform:
-    """The training pipeline configured by a DataConfig section (crop_size, scale_range, hflip, ...)."""
+    """The training pipeline configured by a DataConfig section (crop_size, scale_range, hflip, rot90, ...)."""
     return PairTransform(
         build_train_augmentation(
             height_width(data_cfg.crop_size),
@@ -179,6 +188,7 @@ def build_train_transform(data_cfg: Any) -> PairTransform:
             hflip=bool(data_cfg.hflip),
             photometric=bool(data_cfg.photometric),
             ignore_index=int(data_cfg.ignore_index),
+            rot90=bool(data_cfg.rot90),
         ),
         random=True,
     )

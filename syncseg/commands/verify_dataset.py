@@ -6,10 +6,14 @@ listing (names listed twice, two images of one name), and prints the config that
 lines: the start of training's warnings, from the same functions in syncseg.data.checks and
 syncseg.data.masks).
 
-The images are described as their files store them (channels, bit depth, value range), with the
-config lines that read them and normalize them by their own per-channel mean and std
-(data.in_channels, data.max_value, data.mean, data.std); a WARNING says when the config reads them
-otherwise (e.g. 16-bit or 2-channel files read as 8-bit RGB), naming the files.
+The images are described as their files store them (channels, bit depth, value range), whatever the config
+says (a TIFF of more bands than the 8-bit RGB reader takes is a bad sample under that config, and is
+described all the same), and one set of config lines reads them and normalizes them by their own
+per-channel mean and std (data.in_channels, data.max_value, data.mean, data.std; train.class_weights): the
+training split's, with the other splits' figures beside them as comments. It runs without data.mean and
+data.std (it measures them). A WARNING says when the config reads the images otherwise (e.g. 16-bit or
+2-channel files read as 8-bit RGB), naming the files; an unreadable file is one BAD line naming it and why,
+without the image libraries' own log lines.
 
     python scripts/verify_dataset.py --config voc.yaml data.root=/data/VOCdevkit/VOC2012
     python scripts/verify_dataset.py --config cityscapes.yaml --splits val --workers 8 --output stats.json
@@ -43,7 +47,9 @@ EXPECTED_COUNTS = {
 
 
 class _Stats:
-    """Per-sample statistics (or the error) computed in loader workers (a map-style dataset)."""
+    """Per-sample statistics computed in loader workers (a map-style dataset): the sample as the config reads it
+    (its errors: one line per bad file), and the image as its file stores it, whatever the config says, so that
+    the config lines that read it can be printed even when the config cannot read it."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
@@ -55,24 +61,51 @@ class _Stats:
         import numpy as np
 
         from syncseg.data import BadSampleError
+
+        errors: list[str] = []
+        try:
+            image, labels = self.dataset.load(index)
+        except (BadSampleError, OSError) as error:
+            errors.append(str(error))
+            image = labels = None
+        stored = image
+        path = f"sample {index}"
+        if hasattr(self.dataset, "samples"):  # files: read them as stored too
+            path = str(self.dataset.samples[index][0])
+            stored, labels = self._as_stored(index, image, labels, errors)
+        item: dict[str, Any] = {"index": index, "path": path, "errors": errors}
+        if stored is not None:
+            values = stored.reshape(-1, stored.shape[2]).astype(np.float64)
+            item.update(height=stored.shape[0], width=stored.shape[1],
+                        format=(stored.shape[2], 8 * stored.dtype.itemsize), sum=values.sum(0),
+                        squares=np.square(values).sum(0), min=values.min(0), max=values.max(0))
+        if labels is not None:
+            item["counts"] = np.bincount(labels.ravel(), minlength=256)
+        return item
+
+    def _as_stored(self, index: int, image: Any, labels: Any, errors: list[str]) -> tuple[Any, Any]:
+        """(the image as its file stores it, the labels), each None when unreadable; the mask is read alone when
+        the config could not read the image, so that its classes count."""
+        from syncseg.data import BadSampleError
         from syncseg.data.images import read_stored_image
 
+        image_path, mask_path = self.dataset.samples[index]
         try:
-            image, mask = self.dataset.load(index)
-        except (BadSampleError, OSError) as error:
-            return {"index": index, "error": str(error)}
-        stored = image
-        if getattr(self.dataset, "image_format", None) is not None and self.dataset.image_format.is_rgb8:
-            try:  # the 8-bit RGB reader converts: describe the file as it is
-                stored = read_stored_image(self.dataset.samples[index][0])
-            except BadSampleError:
-                pass  # stored in a way only the RGB reader reads (e.g. a float TIFF): describe what training sees
-        values = stored.reshape(-1, stored.shape[2]).astype(np.float64)
-        path = self.dataset.samples[index][0] if hasattr(self.dataset, "samples") else f"sample {index}"
-        return {"index": index, "path": str(path), "height": image.shape[0], "width": image.shape[1],
-                "counts": np.bincount(mask.ravel(), minlength=256),
-                "format": (stored.shape[2], 8 * stored.dtype.itemsize), "sum": values.sum(0),
-                "squares": np.square(values).sum(0), "min": values.min(0), "max": values.max(0)}
+            stored = read_stored_image(image_path)
+        except BadSampleError:
+            return image, labels  # only the config's reader reads it (e.g. a float TIFF as RGB), or nothing does
+        if labels is None:
+            try:
+                raw = self.dataset.masks.read_raw(mask_path)
+                if raw.shape != stored.shape[:2]:
+                    raise BadSampleError(f"image '{image_path}' is {stored.shape[1]}x{stored.shape[0]} but mask "
+                                         f"'{mask_path}' is {raw.shape[1]}x{raw.shape[0]} (width x height); they "
+                                         "must match")
+                labels = self.dataset.masks.to_labels(raw, mask_path)
+            except BadSampleError as error:
+                if str(error) not in errors:
+                    errors.append(str(error))
+        return stored, labels
 
 
 class ChannelStats:
@@ -127,31 +160,23 @@ class ChannelStats:
                 f"{ranges}")
 
 
+def _listed(values: list[float]) -> str:
+    return ",".join(f"{value:g}" for value in values)
+
+
+def _bracketed(values: list[float]) -> str:
+    return f"[{_listed(values)}]"
+
+
 def print_image_formats(formats: dict[tuple[int, int], ChannelStats], data_cfg: Any, *,
                         description: str) -> list[str]:
-    """Print the images' stored formats and the config lines of the most common one, and a WARNING for each
-    format the config reads otherwise (syncseg.data.checks.image_format_warnings, as the start of training
-    says it); returns the warnings."""
+    """Print the images' stored formats, and a WARNING for each format the config reads otherwise
+    (syncseg.data.checks.image_format_warnings, as the start of training says it); returns the warnings."""
     from syncseg.data.checks import StoredFormat, image_format_warnings
     from syncseg.data.images import ImageFormat
 
-    if not formats:
-        return []
     for stats in formats.values():
         print(f"  images as stored: {stats.describe()}")
-    stats = max(formats.values(), key=lambda item: item.num_images)
-    lines = stats.config()
-
-    def listed(key: str) -> str:
-        return ",".join(f"{value:g}" for value in lines[key])
-
-    which = "the most common of these images" if len(formats) > 1 else "these images"
-    print(f"  config lines for {which} (data:), normalized by their own mean and std:\n"
-          f"    in_channels: {lines['in_channels']}\n    max_value: {lines['max_value']}\n"
-          f"    mean: [{listed('mean')}]    # x / max_value; in the images' units: {lines['mean_in_image_units']}\n"
-          f"    std: [{listed('std')}]    # in the images' units: {lines['std_in_image_units']}\n"
-          f"  command line: data.in_channels={lines['in_channels']} data.max_value={lines['max_value']} "
-          f"data.mean={listed('mean')} data.std={listed('std')}")
     warnings = image_format_warnings(
         [StoredFormat(item.channels, item.bits, float(item.high.max()), item.paths) for item in formats.values()],
         ImageFormat.of(data_cfg), description=description)
@@ -160,8 +185,54 @@ def print_image_formats(formats: dict[tuple[int, int], ChannelStats], data_cfg: 
     return warnings
 
 
+def main_format(formats: dict[tuple[int, int], ChannelStats]) -> ChannelStats | None:
+    """The stored format of most of a split's images (None when none was read)."""
+    return max(formats.values(), key=lambda item: item.num_images) if formats else None
+
+
+def print_config_lines(source: str, formats: dict[str, dict[tuple[int, int], ChannelStats]],
+                       weights: dict[str, list[float]], *, note: str = "") -> dict[str, Any] | None:
+    """Print one set of config lines, from the split `source` (the training split): data.in_channels,
+    max_value, mean and std of its most common stored format, and its median-frequency class weights, with
+    the other splits' figures beside them as comments, for comparison only. Returns the lines as a dict
+    (None, after saying why, when no image of `source` could be read)."""
+    chosen = main_format(formats[source])
+    if chosen is None:
+        print(f"no config lines: no image of split '{source}' could be read{note}")
+        return None
+    lines = chosen.config()
+    others = {split: main_format(found).config() for split, found in formats.items()
+              if split != source and main_format(found) is not None}
+
+    def beside(key: str) -> str:
+        shown = [f"{split}: {_bracketed(other[key]) if isinstance(other[key], list) else other[key]}"
+                 for split, other in others.items()]
+        return "; ".join(shown)
+
+    which = "its most common format" if len(formats[source]) > 1 else f"its {chosen.num_images} image(s)"
+    compared = ", other splits' figures beside them for comparison only" if others else ""
+    more = {key: f"; {beside(key)}" if others else "" for key in ("mean", "std")}
+    print(f"config lines from split '{source}' ({which}{compared}){note}:\n  data:")
+    for key in ("in_channels", "max_value"):
+        print(f"    {key}: {lines[key]}" + (f"    # {beside(key)}" if others else ""))
+    print(f"    mean: [{_listed(lines['mean'])}]    # x / max_value; in the images' units: "
+          f"{lines['mean_in_image_units']}{more['mean']}\n"
+          f"    std: [{_listed(lines['std'])}]    # in the images' units: {lines['std_in_image_units']}{more['std']}")
+    class_weights = weights[source]
+    compared_weights = "; ".join(f"{split}: {_bracketed(found)}" for split, found in weights.items() if split != source)
+    print("  train:    # optional, for imbalanced classes: median-frequency weights of the ce and focal losses\n"
+          f"    class_weights: [{_listed(class_weights)}]" + (f"    # {compared_weights}" if compared_weights else ""))
+    print(f"  command line: data.in_channels={lines['in_channels']} data.max_value={lines['max_value']} "
+          f"data.mean={_listed(lines['mean'])} data.std={_listed(lines['std'])}")
+    print(f"  optional: train.class_weights={_listed(class_weights)}")
+    return {"split": source, "data": {key: lines[key] for key in ("in_channels", "max_value", "mean", "std")},
+            "train": {"class_weights": class_weights}}
+
+
 def verify_split(dataset: Any, *, workers: int = 0, limit: int = 0) -> dict[str, Any]:
-    """Statistics of one split: counts, size range, class pixel counts, bad samples."""
+    """Statistics of one split: counts, size range, class pixel counts, bad samples (one line per bad file),
+    and the images' stored formats (every image whose file can be read as stored, bad ones under the
+    config included)."""
     import numpy as np
     import torch
     from torch.utils.data import DataLoader
@@ -171,15 +242,17 @@ def verify_split(dataset: Any, *, workers: int = 0, limit: int = 0) -> dict[str,
                         num_workers=workers)
     pixels = np.zeros(256, dtype=np.int64)
     bad, heights, widths = [], [], []
+    num_bad = 0
     formats: dict[tuple[int, int], ChannelStats] = {}
     for item in loader:
-        if "error" in item:
-            bad.append(item["error"])
-            continue
-        heights.append(item["height"])
-        widths.append(item["width"])
-        pixels += np.asarray(item["counts"], dtype=np.int64)
-        formats.setdefault(tuple(item["format"]), ChannelStats(*item["format"])).add(item)
+        bad.extend(item["errors"])
+        num_bad += bool(item["errors"])
+        if "format" in item:
+            heights.append(int(item["height"]))
+            widths.append(int(item["width"]))
+            formats.setdefault(tuple(item["format"]), ChannelStats(*item["format"])).add(item)
+        if "counts" in item:
+            pixels += np.asarray(item["counts"], dtype=np.int64)
     num_classes = dataset.num_classes
     class_pixels = pixels[:num_classes]
     frequencies = class_pixels / max(1, class_pixels.sum())
@@ -190,7 +263,7 @@ def verify_split(dataset: Any, *, workers: int = 0, limit: int = 0) -> dict[str,
     return {
         "num_samples": len(dataset),
         "num_checked": len(indices),
-        "num_bad": len(bad),
+        "num_bad": num_bad,
         "bad": bad,
         "height_range": [min(heights), max(heights)] if heights else None,
         "width_range": [min(widths), max(widths)] if widths else None,
@@ -201,6 +274,25 @@ def verify_split(dataset: Any, *, workers: int = 0, limit: int = 0) -> dict[str,
         "median_frequency_weights": weights.round(4).tolist(),
         "image_formats": formats,  # replaced by plain values for the JSON report
     }
+
+
+def print_classes(source: str, report: dict[str, dict[str, Any]]) -> None:
+    """One table: the split `source`'s class pixels, frequencies and median-frequency weights, and the other
+    splits' frequencies beside them."""
+    stats = report[source]
+    others = [split for split in report if split != source]
+    print(f"classes of split '{source}'" + (f", with the frequency in {', '.join(repr(s) for s in others)}"
+                                             if others else "") + ":")
+    print(f"  {'id':>3} {'class':<22} {'pixels':>14} {'frequency':>10} {'weight':>8}"
+          + "".join(f" {split[:14] + ' freq.':>20}" for split in others))
+    for index, name in enumerate(stats["classes"]):
+        print(f"  {index:>3} {name:<22} {stats['class_pixels'][index]:>14} {stats['class_frequency'][index]:>10.5f} "
+              f"{stats['median_frequency_weights'][index]:>8.3f}"
+              + "".join(f" {report[split]['class_frequency'][index]:>20.5f}" for split in others))
+    for split, found in report.items():
+        missing = [name for name, count in zip(found["classes"], found["class_pixels"]) if count == 0]
+        if missing:
+            print(f"  classes with no pixels in split '{split}': {', '.join(missing)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,12 +318,13 @@ def verify(args: argparse.Namespace) -> int:
     from syncseg.engine.cli import writing
     from syncseg.engine.config import load_config
 
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, normalization_unknown=True)  # it measures mean and std
     data_cfg = config.data
     splits = [s for s in args.splits.split(",") if s] or list(dict.fromkeys([data_cfg.train_split,
                                                                                 data_cfg.val_split]))
     datasets = {split: build_dataset(data_cfg, split, train=False) for split in splits}
     report: dict[str, Any] = {"dataset": data_cfg.dataset, "root": data_cfg.root, "splits": {}}
+    formats: dict[str, dict[tuple[int, int], ChannelStats]] = {}
     total_bad = 0
     for split, dataset in datasets.items():
         stats = verify_split(dataset, workers=args.workers, limit=args.limit)
@@ -248,23 +341,24 @@ def verify(args: argparse.Namespace) -> int:
               f"ignore ({dataset.ignore_index}) pixels {stats['ignore_pixels']}")
         for message in stats["bad"]:
             print(f"  BAD: {message}")
-        formats = stats.pop("image_formats")
+        formats[split] = stats.pop("image_formats")
         description = getattr(dataset, "description", f"{data_cfg.dataset} {split}")
-        stats["image_warnings"] = print_image_formats(formats, data_cfg, description=description)
+        stats["image_warnings"] = print_image_formats(formats[split], data_cfg, description=description)
         stats["image_formats"] = [{**item.config(), "bits": item.bits, "num_images": item.num_images,
                                    "value_range": [item.low.tolist(), item.high.tolist()]}
-                                  for item in formats.values()]
+                                  for item in formats[split].values()]
         if isinstance(dataset, SegmentationDataset):  # the start of training's look at the listing and the masks
             stats["warnings"] = [*dataset.listing_warnings, *dataset.inspect_masks(START_CHECK_MASKS).warnings]
             for message in stats["warnings"]:
                 print(f"  WARNING: {message}")
-        print(f"  {'id':>3} {'class':<22} {'pixels':>14} {'frequency':>10} {'weight':>8}")
-        for index, name in enumerate(stats["classes"]):
-            print(f"  {index:>3} {name:<22} {stats['class_pixels'][index]:>14} "
-                  f"{stats['class_frequency'][index]:>10.5f} {stats['median_frequency_weights'][index]:>8.3f}")
-        missing = [name for name, count in zip(stats["classes"], stats["class_pixels"]) if count == 0]
-        if missing:
-            print(f"  classes with no pixels: {', '.join(missing)}")
+    # one set of lines, from the split training reads: a second set per split would be copied by whoever
+    # reads last
+    source = data_cfg.train_split if data_cfg.train_split in report["splits"] else splits[0]
+    note = "" if source == data_cfg.train_split else f" (the training split '{data_cfg.train_split}' was not checked)"
+    print_classes(source, report["splits"])
+    report["config_lines"] = print_config_lines(
+        source, formats, {split: stats["median_frequency_weights"] for split, stats in report["splits"].items()},
+        note=note)
     if args.output:
         text = json.dumps(report, indent=2).encode()
         with writing("statistics", args.output):  # atomically: an earlier file there stays whole on failure

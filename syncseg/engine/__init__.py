@@ -18,6 +18,7 @@
     loss.py          SegmentationLoss (loss_terms.py: focal, Dice, Lovasz);  accumulation.py  micro-batches of one
                      step;  optim.py  groups, optimizer, LR
     ema.py           the average of the weights;  precise_bn.py  BatchNorm statistics recomputed before validation
+    overfitting.py   OverfittingWatch: the one warning that the run memorizes its training pixels
     reporting.py     metrics.jsonl, TensorBoard, progress lines;  visualize.py  grids, legends, overlays
     export_formats.py  ONNX / TorchScript / torch.export / safetensors files, checked against PyTorch
     atomic.py        atomic file writes;  cli.py  the error contract (exit statuses, error lines) of every command

@@ -28,6 +28,7 @@ from syncseg.engine.distributed import DistInfo, all_reduce_sum
 from syncseg.engine.ema import best_after_decay_change
 from syncseg.engine.evaluate import evaluate
 from syncseg.engine.optim import load_optimizer_state
+from syncseg.engine.overfitting import OverfittingWatch
 from syncseg.engine.precise_bn import precise_batch_norms
 from syncseg.engine.reporting import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
 from syncseg.engine.samplers import shutdown_workers, train_steps
@@ -116,6 +117,7 @@ class Trainer:
         self._steps: Iterator[list[Any]] | None = None  # created at the first fit, from self.iteration
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (iteration, loss) not yet read back
         self._last_saved: tuple[int, float, bool] | None = None  # _saved_state_key() of the last last.pt written
+        self.overfitting = OverfittingWatch()  # replaced at the first fit, with the best mIoU a resume brings
         self.vis_indices = list(range(min(self.config.train.num_vis_images, len(parts.val_set))))
         seed_process(self.config.train.seed, self.dist.rank)
         if resume is not None:
@@ -146,6 +148,7 @@ class Trainer:
         logger.info("training from iteration %d to %d", self.iteration, stop_at)
         if self._steps is None:
             self._steps = train_steps(self.parts.train_loader, self.iteration)
+            self.overfitting = OverfittingWatch(best_miou=self.best_miou)  # from this fit's first losses
         self.model.train()
         throughput, loop_start, periodic_seconds = Throughput(self.iteration), time.perf_counter(), 0.0
         with StopRequest() as stop, progress_bar(enabled=self.progress, total=stop_at,
@@ -161,7 +164,9 @@ class Trainer:
                 self.iteration += 1
                 due = Due.after(self.iteration, self.config.train, stop_at=stop_at, stop_requested=stop.agreed())
                 if due.record:  # raises on a non-finite loss, before anything is saved
-                    result.losses.update(read_back_losses(self._pending_losses, run_dir=self.run_dir))
+                    losses = read_back_losses(self._pending_losses, run_dir=self.run_dir)
+                    result.losses.update(losses)
+                    self.overfitting.add_losses(losses)
                     self._pending_losses = []
                 if due.log:
                     self._log_training(result, throughput, stop_at, bar)
@@ -256,6 +261,9 @@ class Trainer:
         if metrics["miou"] > self.best_miou:
             self.best_miou, self.best_metrics = float(metrics["miou"]), metrics
             self.save(["best.pt"])
+        warning = self.overfitting.after_validation(self.iteration, float(metrics["miou"]))
+        if warning is not None and self.dist.is_main:
+            logger.warning("%s", warning)
         result.last_val = metrics
         return True
 

@@ -92,6 +92,30 @@ def test_the_8_bit_rgb_reader_is_cv2s_colour_reader(tmp_path):
     assert np.array_equal(read_image(tmp_path / "grey.png"), expected) and expected.shape == (6, 7, 3)
 
 
+@pytest.mark.parametrize("bands,bits", [(6, 8), (13, 16)])
+def test_the_8_bit_rgb_reader_names_a_tiff_of_more_bands_than_it_reads_without_the_decoders_chatter(
+        tmp_path, capfd, bands, bits):
+    """Issue 32 item 1: cv2 cannot decode a TIFF of more than 4 bands (and Pillow logs about it): its header is
+    read first, and the error names the band count and the keys that read the file as stored."""
+    image = np.zeros((bands, 5, 6), np.uint8 if bits == 8 else np.uint16)
+    tifffile.imwrite(tmp_path / "many.tif", image, photometric="minisblack", planarconfig="separate")
+    scale = "255" if bits == 8 else "its full scale (4095 for 12-bit values, 65535 for 16-bit)"
+    with pytest.raises(BadSampleError) as error:
+        read_image(tmp_path / "many.tif")
+    assert str(error.value) == (
+        f"image '{tmp_path / 'many.tif'}' is a TIFF of {bands} bands ({bits}-bit), but data.in_channels=3 with "
+        "data.max_value=255 reads images as 8-bit RGB, from files of 1 to 4 channels; to read it as stored, set "
+        f"data.in_channels={bands} and data.max_value to {scale} (scripts/verify_dataset.py prints these with their "
+        "data.mean and data.std)")
+    make_image_folder(tmp_path / "folder", [np.moveaxis(image, 0, -1)], suffix=".tif")
+    dataset = data.FolderSegmentation(tmp_path / "folder", "all", num_classes=2)
+    assert dataset.image_size(0) == (5, 6)  # the eval loader's size lookup reads the header, not Pillow
+    assert capfd.readouterr().err == ""
+    rgb = np.random.default_rng(4).integers(0, 256, (5, 6, 3), dtype=np.uint8)
+    tifffile.imwrite(tmp_path / "rgb.tif", rgb, photometric="rgb")
+    assert np.array_equal(read_image(tmp_path / "rgb.tif"), rgb)  # 3 bands still go to cv2's colour reader
+
+
 def test_display_rgb_scales_to_8_bits_and_leaves_8_bit_rgb_alone():
     rgb = np.random.default_rng(4).integers(0, 256, (3, 4, 3), dtype=np.uint8)
     assert display_rgb(rgb, 255) is rgb

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from syncseg.data.voc import VOCSegmentation
@@ -175,3 +176,83 @@ def test_verify_dataset_describes_16_bit_and_multi_band_images_and_prints_their_
     assert verify.main(["--config", "demo.yaml", *folder, f"data.root={tmp_path / 'rgbn'}",
                         *_printed_command_line(out)]) == 1
     assert "1.png' has 3 channel(s) but data.in_channels=4 expects 4" in capsys.readouterr().out
+
+
+def _multi_band_folder(root, bands: int, *, planar: bool, seed: int = 0) -> dict[str, list[np.ndarray]]:
+    """A folder dataset of 8-bit TIFFs of `bands` bands, each band on its own range so that every channel's mean
+    and std differ, stored as planes (planar) or as samples (interleaved); sparse masks (classes 0-2 on a few
+    pixels, 255 elsewhere); train.txt (4 names) and val.txt (2). Returns the H x W x bands images per split."""
+    import tifffile
+
+    rng = np.random.default_rng([seed, bands])
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    images: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    for index in range(6):
+        split = "train" if index < 4 else "val"
+        low = np.arange(bands) * 7
+        image = (low + rng.integers(0, 256 - low, (24, 20, bands))).astype(np.uint8)
+        stored = np.moveaxis(image, -1, 0) if planar else image
+        tifffile.imwrite(root / "images" / f"{index}.tif", stored, photometric="minisblack",
+                         planarconfig="separate" if planar else "contig")
+        mask = np.full((24, 20), 255, np.uint8)
+        mask[2:5, 3:6], mask[10:12, 4:9], mask[18:20, 12:18] = 0, 1, 2
+        Image.fromarray(mask).save(root / "masks" / f"{index}.png")
+        images[split].append(image)
+    (root / "train.txt").write_text("0\n1\n2\n3\n")
+    (root / "val.txt").write_text("4\n5\n")
+    return images
+
+
+def _channel_figures(images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and std of 8-bit images in units of 255, from numpy in float64 over all their pixels."""
+    pixels = np.concatenate([image.reshape(-1, image.shape[2]) for image in images]).astype(np.float64)
+    return pixels.mean(0) / 255, pixels.std(0) / 255
+
+
+def _numbers(text: str) -> np.ndarray:
+    return np.array([float(value) for value in text.strip("[]").split(",")])
+
+
+def _check_printed_lines(printed: list[str], images: list[np.ndarray]) -> None:
+    """The printed command line reads these images: their channel count, 255, and numpy's mean and std to
+    the 4 printed decimals (half a unit of the last one, and a hair for the rounding of the sums)."""
+    mean, std = _channel_figures(images)
+    assert printed[:2] == [f"data.in_channels={images[0].shape[2]}", "data.max_value=255"], printed
+    assert [item.split("=")[0] for item in printed[2:]] == ["data.mean", "data.std"], printed
+    np.testing.assert_allclose(_numbers(printed[2].split("=")[1]), mean, rtol=0, atol=0.5e-4 + 1e-9)
+    np.testing.assert_allclose(_numbers(printed[3].split("=")[1]), std, rtol=0, atol=0.5e-4 + 1e-9)
+
+
+@pytest.mark.parametrize("bands,planar", [(6, True), (6, False), (13, True), (13, False)],
+                         ids=["6-planar", "6-interleaved", "13-planar", "13-interleaved"])
+def test_verify_dataset_reads_multi_band_tiffs_as_stored_whatever_the_config_says(tmp_path, capfd, bands, planar):
+    """Issue 32 item 1. With the default config (8-bit RGB, which no reader takes from a file of more than 4
+    bands) each image is one BAD line naming the file and the keys that read it, and the one set of config
+    lines comes from the training split; no decoder's own text reaches stderr. With data.in_channels=N and no
+    mean or std (the tool measures them) it runs too, clean, and prints the same lines."""
+    verify = _load_script("verify_dataset")
+    root = tmp_path / "data"
+    images = _multi_band_folder(root, bands, planar=planar)
+    folder = ["data.dataset=folder", f"data.root={root}", "data.num_classes=3"]
+    assert verify.main(["--config", "demo.yaml", *folder]) == 1
+    out, err = capfd.readouterr()
+    assert err == ""  # no OpenCV, libtiff, Pillow or tifffile lines
+    bad = [line for line in out.splitlines() if "BAD:" in line]
+    assert len(bad) == 6, out
+    for index, line in enumerate(bad):
+        assert line.startswith(f"  BAD: image '{root / 'images' / f'{index}.tif'}' is a TIFF of {bands} bands (8-bit), "
+                               "but data.in_channels=3 with data.max_value=255 reads images as 8-bit RGB"), line
+        assert f"set data.in_channels={bands} and data.max_value to 255" in line
+    printed = _printed_command_line(out)  # exactly one such line: one set, from the training split
+    _check_printed_lines(printed, images["train"])
+    assert out.count("config lines from split") == 1 and "config lines from split 'train'" in out
+    (mean_line,) = [line for line in out.splitlines() if line.startswith("    mean: ")]
+    assert "val: [" in mean_line  # the validation split's figures beside them, as a comment
+    np.testing.assert_allclose(_numbers(mean_line.split("val: ")[1]), _channel_figures(images["val"])[0],
+                               rtol=0, atol=0.5e-4 + 1e-9)
+
+    assert verify.main(["--config", "demo.yaml", *folder, f"data.in_channels={bands}"]) == 0
+    out, err = capfd.readouterr()
+    assert err == "" and "BAD" not in out and "WARNING" not in out, out
+    assert _printed_command_line(out) == printed

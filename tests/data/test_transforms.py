@@ -119,6 +119,27 @@ def test_hflip_flips_image_and_mask_together():
     assert seen_flipped
 
 
+def test_rot90_with_hflip_gives_every_symmetry_of_the_square_to_image_and_mask_alike():
+    """data.rot90 (issue 32 item 2): each of the 8 rotations and reflections of a crop, the mask moved with the
+    image, every band alike; a non-square crop is refused (the config names the keys first)."""
+    image = np.arange(5 * 5 * 6, dtype=np.uint16).reshape(5, 5, 6)
+    mask = np.arange(25, dtype=np.uint8).reshape(5, 5)
+    symmetries = {np.rot90(flipped, turns).tobytes() for flipped in (mask, mask[:, ::-1]) for turns in range(4)}
+    transform = PairTransform(build_train_augmentation(5, (1.0, 1.0), hflip=True, rot90=True), random=True)
+    torch.manual_seed(0)
+    seen = set()
+    for _ in range(80):
+        out_image, out_mask = _run(transform, image, mask)
+        moved = out_mask.astype(np.uint8)
+        assert moved.tobytes() in symmetries
+        expected = image.reshape(25, 6)[moved.reshape(-1)]  # each pixel's bands travel with its mask value
+        assert np.array_equal(out_image.transpose(1, 2, 0).reshape(25, 6), expected)
+        seen.add(moved.tobytes())
+    assert seen == symmetries
+    with pytest.raises(ValueError, match="rot90 needs a square crop"):
+        build_train_augmentation((4, 6), (1.0, 1.0), rot90=True)
+
+
 def test_eval_pipeline_full_image_and_base_size():
     image = np.random.default_rng(0).integers(0, 256, (30, 50, 3), dtype=np.uint8)
     mask = np.random.default_rng(1).integers(0, 4, (30, 50), dtype=np.uint8)

@@ -123,3 +123,24 @@ def test_a_4_channel_png_dataset_trains_evaluates_predicts_and_exports(tmp_path,
     _run_commands(tmp_path, keys, tmp_path / "data" / "images" / "0.png", "exported", capsys)
     program = torch.export.load(str(tmp_path / "model.pt2")).module()
     assert program(torch.zeros(1, 4, SIZE, SIZE)).shape == (1, 2, SIZE, SIZE)
+
+
+@pytest.mark.slow
+def test_a_6_band_tiff_dataset_trains_with_the_lines_verify_dataset_prints(tmp_path, capfd):
+    """Issue 32 item 1, end to end: verify_dataset under the default config prints the lines for 6-band planar
+    TIFFs; training stops at start without them (data.mean names verify_dataset) and trains with them."""
+    from tests.data.test_scripts import _multi_band_folder, _printed_command_line
+
+    _multi_band_folder(tmp_path / "data", 6, planar=True)
+    folder = ["data.dataset=folder", f"data.root={tmp_path / 'data'}", "data.num_classes=3"]
+    verify = importlib.import_module("syncseg.commands.verify_dataset")
+    assert verify.main(["--config", "demo.yaml", *folder]) == 1  # the default config cannot read the files
+    printed = _printed_command_line(capfd.readouterr().out)
+    train = importlib.import_module("syncseg.commands.train")
+    run = [*TINY_BASE, *folder, "data.scale_range=1,1", "data.crop_size=24", "train.iters=1", "train.amp=off",
+           "eval.amp=off", "train.num_vis_images=0"]
+    assert train.main(["--config", "demo.yaml", *run, "data.in_channels=6", f"output_dir={tmp_path / 'none'}"]) == 2
+    assert "data.mean has 3 value(s) (ImageNet's RGB values, the default) but data.in_channels=6" in \
+        capfd.readouterr().err
+    assert train.main(["--config", "demo.yaml", *run, *printed, f"output_dir={tmp_path / 'run'}"]) == 0
+    assert (tmp_path / "run" / "best.pt").is_file()

@@ -34,7 +34,8 @@ def test_choices_are_the_registries_names_or_the_literals():
 
 
 def test_every_shipped_config_loads():
-    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml", "cityscapes_512x1024.yaml", "ade20k.yaml"):
+    for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml", "cityscapes_512x1024.yaml", "ade20k.yaml",
+                 "small_data.yaml"):
         config = load_config(name)
         assert config.name and config.run_dir.name == config.name
 
@@ -341,6 +342,32 @@ def test_mask_encodings_are_for_datasets_with_mask_files_and_check_fixed_class_c
 
 
 TWO_CLASS_FOLDER = ["data.dataset=folder", "data.num_classes=2"]
+
+
+def test_rot90_needs_a_square_crop():
+    assert load_config(None, ["data.rot90=true", "data.crop_size=64"]).data.rot90 is True
+    with pytest.raises(ValueError, match=r"^command line: data\.rot90 with data\.crop_size=64,96 \(height,width\): a "
+                                         r"rotation by 90 degrees swaps height and width.*data\.crop_size=64\)"):
+        load_config(None, ["data.rot90=true", "data.crop_size=64,96"])
+
+
+def test_the_tool_that_measures_mean_and_std_loads_a_config_without_them(tmp_path):
+    """Issue 32 item 1: verify_dataset loads with normalization_unknown, so data.in_channels=N without a mean or
+    std of N values (what it prints) is no error there; what the file or the command line does set is kept and
+    checked, and training's load still requires one value per channel."""
+    six = [*TWO_CLASS_FOLDER, "data.in_channels=6"]
+    config = load_config(None, six, normalization_unknown=True)
+    assert (config.data.mean, config.data.std) == ((0.0,) * 6, (1.0,) * 6)
+    with pytest.raises(ValueError, match=r"data\.mean has 3 value\(s\)"):
+        load_config(None, six)
+    partial = load_config(None, [*six, "data.mean=0.1,0.2,0.3,0.4,0.5,0.6"], normalization_unknown=True)
+    assert (partial.data.mean, partial.data.std) == ((0.1, 0.2, 0.3, 0.4, 0.5, 0.6), (1.0,) * 6)
+    with pytest.raises(ValueError, match=r"command line: data\.mean has 2 value\(s\) but data\.in_channels=6"):
+        load_config(None, [*six, "data.mean=0.1,0.2"], normalization_unknown=True)
+    in_file = tmp_path / "six.yaml"
+    in_file.write_text("data:\n  dataset: folder\n  num_classes: 2\n  in_channels: 6\n")
+    assert load_config(in_file, normalization_unknown=True).data.std == (1.0,) * 6
+    assert load_config(None, TWO_CLASS_FOLDER, normalization_unknown=True).data.mean == (0.485, 0.456, 0.406)
 
 
 def test_images_beyond_8_bit_rgb_are_folder_datasets_with_a_mean_and_std_per_channel():

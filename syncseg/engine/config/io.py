@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 
 from syncseg.engine.config.mappings import MAPPING_PARSERS, MAPPING_TYPE_NAMES, marker, plain
-from syncseg.engine.config.schema import CONFIG_DIR, SECTIONS, Config, SquareIfOne, all_keys, field_types, validate
+from syncseg.engine.config.schema import (CONFIG_DIR, SECTIONS, Config, DataConfig, SquareIfOne, all_keys, field_types,
+                                          validate)
 from syncseg.engine.atomic import write_atomically
 
 logger = logging.getLogger(__name__)
@@ -268,12 +269,18 @@ def _validate_naming_origins(config: Config, origins: Mapping[str, str], *, fall
         raise ValueError(f"{where}: {body}") from None
 
 
-def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(name_or_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                normalization_unknown: bool = False) -> Config:
     """YAML file (with `base:` chain) then `KEY=VALUE` overrides -> one validated Config.
 
     The file and the overrides are merged first and validated together, so a rule over several keys sees
     the command line's values (a shared base file completed per run); errors name the file or the command
     line that set the keys involved.
+
+    `normalization_unknown` is for the tool that measures data.mean and data.std (verify_dataset), which
+    needs neither: when the file and the command line leave one of them unset while data.in_channels is
+    not its default's length, it stands at 0 (mean) or 1 (std) per channel instead of failing the check
+    that training needs (one value per channel).
     """
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
@@ -288,7 +295,23 @@ def load_config(name_or_path: str | Path | None = None, overrides: list[str] | t
         values[key], origins[key] = value, "command line"
     if overrides:
         sources.append("command line")
+    if normalization_unknown:
+        _neutral_normalization(values, origins)
     return build_config(values, source=" with the ".join(sources) or "config", origins=origins)
+
+
+def _neutral_normalization(values: dict[str, Any], origins: dict[str, str]) -> None:
+    """data.mean = 0 and data.std = 1 per channel, each where `values` leaves it unset and data.in_channels
+    asks for another count than its default's (see load_config's normalization_unknown)."""
+    defaults = DataConfig()
+    try:
+        channels = _convert(values.get("data.in_channels", defaults.in_channels), int, "data.in_channels", "")
+    except ValueError:
+        return  # build_config names the value and where it was set
+    for key, neutral, default in (("data.mean", 0.0, defaults.mean), ("data.std", 1.0, defaults.std)):
+        if key not in values and channels >= 1 and channels != len(default):
+            values[key] = [neutral] * channels
+            origins[key] = f"{key} left unset (0 for the mean, 1 for the std: nothing is normalized here)"
 
 
 def to_dict(config: Config) -> dict[str, Any]:

@@ -112,6 +112,9 @@ class DataConfig:
     scale_range: tuple[float, float] = _limited((0.5, 2.0), Limit(gt=0))  # random rescale factors, low <= high
     base_size: int = _limited(0, _NON_NEGATIVE)  # eval: resize the long side to this many pixels (0 = as is)
     hflip: bool = True
+    # random rotations by 0/90/180/270 degrees (with hflip: all 8 symmetries of a square) for images with no
+    # "up" (overhead, microscope); needs a square crop_size
+    rot90: bool = False
     photometric: bool = False  # colour jitter + blur during training
     num_workers: int = _limited(4, _NON_NEGATIVE)
     ignore_index: int = _limited(IGNORE_INDEX, _LABEL)  # mask value that no loss or metric counts
@@ -306,6 +309,11 @@ def validate(config: Config, *, source: str = "config") -> None:
     low, high = data.scale_range
     if low > high:
         raise ValueError(f"{source}: data.scale_range={low},{high} must satisfy low <= high")
+    crop = height_width(data.crop_size)
+    if data.rot90 and crop[0] != crop[1]:
+        raise ValueError(f"{source}: data.rot90 with data.crop_size={_shown(crop)} (height,width): a rotation by 90 "
+                         "degrees swaps height and width, so the crops of a batch would differ; use a square "
+                         f"crop (e.g. data.crop_size={min(crop)}) or data.rot90=false")
     if not evaluation.scales:
         raise ValueError(f"{source}: eval.scales is empty; give at least one test scale (e.g. 1.0)")
     stride, window = height_width(evaluation.stride), height_width(evaluation.window_size)
