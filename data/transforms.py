@@ -6,14 +6,18 @@ device it lives on. Training, evaluation and prediction all call `normalize_batc
 mean and std live in one place. The geometry works on any channel count; the photometric steps are
 for 8-bit RGB (syncseg.engine.config refuses data.photometric for other images).
 
-Randomness: `PairTransform` draws one seed per sample from torch's global generator and seeds the
-albumentations pipeline with it. Inside DataLoader workers torch seeds that generator per worker
-(base seed + worker id), so workers never repeat each other, and a run seeded with torch.manual_seed
-(or resumed with its torch RNG state restored) replays the same augmentations.
+Randomness: `PairTransform` draws one seed per sample from torch's global generator and gives every step
+of the albumentations pipeline its own stream derived from it (`step_seeds`). Inside DataLoader workers
+torch seeds that generator per worker (base seed + worker id), so workers never repeat each other, and a
+run seeded with torch.manual_seed (or resumed with its torch RNG state restored) replays the same
+augmentations. One seed for all steps (albumentations' Compose.set_random_seed) gives every step the same
+stream: the flip then fired exactly when the scale drawn from the same first number was below the range's
+middle, so upscaled crops were never flipped.
 """
 from __future__ import annotations
 
 import logging
+import random as py_random_module
 from typing import Any, Sequence
 
 import albumentations as A
@@ -156,28 +160,70 @@ def build_eval_augmentation(base_size: int = 0) -> A.Compose | None:
     )
 
 
+def step_seeds(seed: int, count: int) -> list[int]:
+    """`count` seeds for the steps of one sample's pipeline, all different, from the sample's `seed`."""
+    return [(seed + index * 0x9E3779B9) % 2**32 for index in range(count)]
+
+
+# Steps PairTransform runs itself, without Compose's per-call machinery (its checks and dictionaries cost
+# as much as the resize): the geometry of the training pipeline. Photometric steps go through Compose.
+_DIRECT_STEPS = (RandomScaleCrop, A.HorizontalFlip, A.RandomRotate90)
+
+
 class PairTransform:
     """Callable (image HxWxC uint8 / uint16, mask HxW uint8/int) -> (tensor CxHxW of the image's type,
     int64 tensor HxW).
 
-    `augmentation` None means no geometry change (tensor conversion only).
+    `augmentation` None means no geometry change (tensor conversion only). With `random`, each call draws one
+    seed from torch's global generator and each step gets its own stream from it (`step_seeds`). A pipeline of
+    only RandomScaleCrop, HorizontalFlip and RandomRotate90 steps is run step by step here, with the same
+    draws and the same result as the Compose (tests/data/test_transforms.py checks it), in less time.
     """
 
     def __init__(self, augmentation: A.Compose | None, *, random: bool) -> None:
         self.augmentation = augmentation
         self.random = random
+        steps = list(augmentation.transforms) if augmentation is not None else []
+        self._direct = (augmentation is not None and type(augmentation) is A.Compose and augmentation.p >= 1.0
+                        and all(type(step) in _DIRECT_STEPS for step in steps))
 
     def __call__(self, image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.augmentation is not None:
-            if self.random:
-                self.augmentation.set_random_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-            out = self.augmentation(image=image, mask=mask)
-            image, mask = out["image"], out["mask"]
+        augmentation = self.augmentation
+        if augmentation is not None:
+            steps = augmentation.transforms
+            seeds = step_seeds(int(torch.randint(0, 2**31 - 1, ()).item()), len(steps)) if self.random else None
+            if self._direct:
+                image, mask = self._run_direct(steps, seeds, image, mask)
+            else:
+                if seeds is not None:
+                    augmentation.set_random_seed(seeds[0])  # Compose's own draw (its p)
+                    for step, seed in zip(steps, seeds):
+                        step.set_random_seed(seed)
+                out = augmentation(image=image, mask=mask)
+                image, mask = out["image"], out["mask"]
         return to_tensors(image, mask)
+
+    @staticmethod
+    def _run_direct(steps: Sequence[Any], seeds: list[int] | None, image: np.ndarray,
+                    mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What Compose does with these steps: per step, the probability draw (p < 1), its parameters from its
+        own stream, then its own apply / apply_to_mask functions."""
+        for index, step in enumerate(steps):
+            stream = step.py_random if seeds is None else py_random_module.Random(seeds[index])
+            if step.p <= 0.0 or (step.p < 1.0 and not stream.random() < step.p):
+                continue
+            if isinstance(step, RandomScaleCrop):
+                step.py_random = stream
+                params = step.get_params_dependent_on_data({"shape": image.shape}, {})
+            elif isinstance(step, A.RandomRotate90):
+                params = {"factor": stream.randint(0, 3)}
+            else:
+                params = {}
+            image, mask = step.apply(image, **params), step.apply_to_mask(mask, **params)
+        return image, mask
 
     def __repr__(self) -> str:
         return f"PairTransform(random={self.random}, augmentation={self.augmentation!r})"
-
 
 def build_train_transform(data_cfg: Any) -> PairTransform:
     """The training pipeline configured by a DataConfig section (crop_size, scale_range, hflip, rot90, ...)."""

@@ -281,3 +281,45 @@ def test_16_bit_batches_travel_pinned_to_the_gpu_and_normalize_there_as_on_the_c
     assert on_gpu.dtype == torch.uint16
     torch.testing.assert_close(normalize_batch(on_gpu, mean, std, max_value=65535).cpu(),
                                normalize_batch(images, mean, std, max_value=65535), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("photometric", [False, True])
+def test_flip_is_drawn_independently_of_the_scale(photometric):
+    """Issue 31: every step seeded with the sample's one seed drew the same first number, so the flip fired
+    exactly when the scale was below the range's middle (upscaled crops were never flipped). The mask shows
+    both: a 40 x 40 image in a 100 x 100 crop is visible over round(40 * scale) columns, and a flip moves the
+    padding (the ignore label) from the right to the left."""
+    image = np.full((40, 40, 3), 100, dtype=np.uint8)
+    mask = np.zeros((40, 40), dtype=np.uint8)
+    transform = PairTransform(build_train_augmentation(100, (0.5, 2.0), hflip=True, photometric=photometric),
+                              random=True)
+    torch.manual_seed(0)
+    flips = {"small": [], "large": []}
+    for _ in range(300):
+        _, out_mask = _run(transform, image, mask)
+        visible = int((out_mask[0] != 255).sum())
+        flips["large" if visible > 50 else "small"].append(bool(out_mask[0, 0] == 255))
+    for size, drawn in flips.items():
+        assert len(drawn) > 60, size
+        assert 0.3 < np.mean(drawn) < 0.7, (size, np.mean(drawn))
+
+
+@pytest.mark.parametrize("rot90", [False, True])
+def test_geometry_run_step_by_step_equals_albumentations_compose(rot90):
+    """PairTransform runs the training geometry itself (no Compose machinery per sample); albumentations'
+    Compose with the same per-step seeds is the reference, on 8- and 16-bit images of 1, 3 and 6 channels."""
+    rng = np.random.default_rng(0)
+    augmentation = build_train_augmentation(48, (0.5, 2.0), hflip=True, rot90=rot90)
+    direct, composed = PairTransform(augmentation, random=True), PairTransform(augmentation, random=True)
+    composed._direct = False
+    assert direct._direct
+    for trial in range(60):
+        height, width = (int(value) for value in rng.integers(10, 120, 2))
+        channels, dtype = (1, 3, 6)[trial % 3], (np.uint8, np.uint16)[trial % 2]
+        image = rng.integers(0, np.iinfo(dtype).max, (height, width, channels), dtype=dtype)
+        mask = rng.integers(0, 21, (height, width), dtype=np.uint8)
+        torch.manual_seed(trial)
+        got_image, got_mask = direct(image, mask)
+        torch.manual_seed(trial)
+        ref_image, ref_mask = composed(image, mask)
+        assert torch.equal(got_image, ref_image) and torch.equal(got_mask, ref_mask), trial
