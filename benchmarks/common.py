@@ -56,6 +56,16 @@ def config_parser(name: str, doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def cpu_bf16_flags() -> list[str]:
+    """The bf16 flags of /proc/cpuinfo (avx512_bf16: AMD and Intel with native bf16; amx_bf16: Intel AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return sorted({flag for flag in flags if flag in ("avx512_bf16", "amx_bf16")})
+
+
 def environment(**extra: Any) -> dict[str, Any]:
     """The settings a reader needs to compare two runs (recorded in every JSON)."""
     import torch
@@ -64,6 +74,8 @@ def environment(**extra: Any) -> dict[str, Any]:
     return {
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels torch runs (ATEN_CPU_CAPABILITY)
+        "cpu_bf16": cpu_bf16_flags(),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "allocator_env": {name: os.environ.get(name) for name in ALLOCATOR_VARIABLES},
         "allocator": "glibc, freed memory kept (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised)" if stable
