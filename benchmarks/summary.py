@@ -12,7 +12,8 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, format_spread
 
-ORDER = ("bench_syncbn", "bench_model", "bench_data", "bench_eval", "bench_train", "bench_stop", "bench_optim")
+ORDER = ("bench_syncbn", "bench_model", "bench_data", "bench_eval", "bench_train", "bench_stop", "bench_optim",
+         "bench_vs_plain")
 
 
 def main(argv: list[str] | None = None) -> int:
