@@ -17,9 +17,9 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	touch $(STAMP)
 
 # The whole suite, slow tests included (CI runs exactly this): the sync_batchnorm distribution's tests, then
-# the app's.
+# the app's; each prints its slowest tests at the end (what to look at when the suite grows).
 test: $(STAMP) test-sbn
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The sync_batchnorm distribution (model/sync_batchnorm/pyproject.toml) as its users get it: its wheel,
 # installed in .venv-sbn, a venv that sees torch and pytest only (linked from $(VENV) by tests/linked_venv.py
@@ -32,7 +32,7 @@ test-sbn: $(STAMP)
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(SBN_VENV)/wheel ./model/sync_batchnorm
 	rm -rf model/sync_batchnorm/build model/sync_batchnorm/*.egg-info
 	$(PY) -m pip --python $(SBN_VENV)/bin/python install --quiet --no-index $(SBN_VENV)/wheel/sync_batchnorm-*.whl
-	$(SBN_VENV)/bin/python -P -m pytest -q model/sync_batchnorm/tests
+	$(SBN_VENV)/bin/python -P -m pytest -q --durations=10 model/sync_batchnorm/tests
 
 # Everything but the tests marked slow.
 test-fast: $(STAMP)
