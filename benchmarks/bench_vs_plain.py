@@ -77,7 +77,7 @@ train:
 """
 
 
-def run_product(config: Path, out_dir: Path, env: dict[str, str], overrides: list[str], window: int) -> dict:
+def run_product(config: Path, out_dir: Path, env: dict[str, str], overrides: list[str]) -> dict:
     command = [sys.executable, str(ROOT / "train.py"), "--config", str(config), f"output_dir={out_dir}", *overrides]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
@@ -118,10 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         config = tmp_path / "vs_plain.yaml"
         config.write_text(CONFIG.format(crop=args.crop, iters=iters, never=10 * iters, window=args.window))
         variants = {
-            "syncseg_fp32": lambda out: run_product(config, out, user_env, ["train.amp=off", "model.channels_last=off"],
-                                                    args.window),
-            "syncseg_auto": lambda out: run_product(config, out, user_env, ["train.amp=auto", "model.channels_last=auto"],
-                                                    args.window),
+            "syncseg_fp32": lambda out: run_product(config, out, user_env, ["train.amp=off", "model.channels_last=off"]),
+            "syncseg_auto": lambda out: run_product(config, out, user_env, ["train.amp=auto", "model.channels_last=auto"]),
             "plain": lambda out: run_plain(config, out, user_env, iters, args.window),
             "plain_copy": lambda out: run_plain(config, out, user_env, iters, args.window),
             "plain_kept": lambda out: run_plain(config, out, kept_env, iters, args.window),
@@ -142,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
     names = list(variants)
     medians = {name: statistics.median(row[name] for row in rows) for name in names}
+    env = environment()
     print(f"\nDeepLabV3 / ResNet-50 OS8 + aux, batch 4, {args.crop} px crops, 1 loader worker, {args.rounds} rounds of "
           f"{args.windows} x {args.window} timed iterations; environment as started "
-          f"({environment()['allocator']}; torch kernels {environment()['cpu_capability']}, "
-          f"bf16 flags {environment()['cpu_bf16'] or 'none'})")
+          f"({env['allocator']}; torch kernels {env['cpu_capability']}, bf16 flags {env['cpu_bf16'] or 'none'})")
     print(f"{'variant':<14} {'img/s':>7} {'x plain':>8}")
     for name in names:
         ratio = statistics.median(row[name] / row["plain"] for row in rows)

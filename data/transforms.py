@@ -183,20 +183,20 @@ class PairTransform:
     def __init__(self, augmentation: A.Compose | None, *, random: bool) -> None:
         self.augmentation = augmentation
         self.random = random
-        steps = list(augmentation.transforms) if augmentation is not None else []
-        self._direct = (augmentation is not None and type(augmentation) is A.Compose and augmentation.p >= 1.0
-                        and all(type(step) in _DIRECT_STEPS for step in steps))
+        self._direct = (type(augmentation) is A.Compose and augmentation.p >= 1.0
+                        and all(type(step) in _DIRECT_STEPS for step in augmentation.transforms))
 
     def __call__(self, image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         augmentation = self.augmentation
         if augmentation is not None:
             steps = augmentation.transforms
-            seeds = step_seeds(int(torch.randint(0, 2**31 - 1, ()).item()), len(steps)) if self.random else None
+            # one seed per step, and the last for Compose's own draws (its p), so no two share a stream
+            seeds = step_seeds(int(torch.randint(0, 2**31 - 1, ()).item()), len(steps) + 1) if self.random else None
             if self._direct:
                 image, mask = self._run_direct(steps, seeds, image, mask)
             else:
                 if seeds is not None:
-                    augmentation.set_random_seed(seeds[0])  # Compose's own draw (its p)
+                    augmentation.set_random_seed(seeds[-1])  # seeds the steps too; each is reseeded next
                     for step, seed in zip(steps, seeds):
                         step.set_random_seed(seed)
                 out = augmentation(image=image, mask=mask)
@@ -224,6 +224,7 @@ class PairTransform:
 
     def __repr__(self) -> str:
         return f"PairTransform(random={self.random}, augmentation={self.augmentation!r})"
+
 
 def build_train_transform(data_cfg: Any) -> PairTransform:
     """The training pipeline configured by a DataConfig section (crop_size, scale_range, hflip, rot90, ...)."""
