@@ -12,7 +12,9 @@ class DeepLab(nn.Module):
     """A DeepLabV3 / V3+ segmentation network.
 
     `forward(x)` takes a normalized float tensor N x 3 x H x W (cast to the model's dtype) and returns
-    {"out": logits N x C x H x W} plus "aux" (same shape) when an aux classifier is present; logits are upsampled bilinearly
+    {"out": logits N x C x H x W} plus "aux" (same shape) when an aux classifier is present and `aux` is
+    true (inference passes aux=False: it reads "out" only, and the aux head is ~4% of a ResNet-50
+    DeepLabV3's forward); logits are upsampled bilinearly
     (align_corners=False) to the input's H x W, whatever the output stride. Attribute names
     (`backbone`, `classifier`, `aux_classifier`) equal torchvision's DeepLabV3, so for the deeplabv3
     architecture torchvision's state dict keys are ours unchanged. With `channels_last` the input is
@@ -34,7 +36,7 @@ class DeepLab(nn.Module):
         self.aux_classifier = aux_classifier
         self.channels_last = channels_last
 
-    def forward(self, x: Tensor) -> dict[str, Tensor]:
+    def forward(self, x: Tensor, aux: bool = True) -> dict[str, Tensor]:
         if x.dim() != 4:
             raise ValueError(f"DeepLab expects a batch N x 3 x H x W, got a tensor of shape {tuple(x.shape)}")
         dtype = next(self.classifier.parameters()).dtype
@@ -45,7 +47,7 @@ class DeepLab(nn.Module):
         size = x.shape[-2:]
         features = self.backbone(x)
         result = {"out": F.interpolate(self.classifier(features), size=size, mode="bilinear", align_corners=False)}
-        if self.aux_classifier is not None:
-            aux = self.aux_classifier(features)
-            result["aux"] = F.interpolate(aux, size=size, mode="bilinear", align_corners=False)
+        if self.aux_classifier is not None and aux:
+            result["aux"] = F.interpolate(self.aux_classifier(features), size=size, mode="bilinear",
+                                          align_corners=False)
         return result

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from syncseg.model.atrous import AtrousConv2d
 from syncseg.model.norm import NormLayer
 
 # The one place where output stride becomes ASPP rates (DeepLabV3 paper, section 4.1).
@@ -29,11 +30,11 @@ def aspp_rates_for(output_stride: int, rates: Sequence[int] = ()) -> tuple[int, 
 
 
 class ASPPConv(nn.Sequential):
-    """3x3 atrous conv, norm, ReLU."""
+    """3x3 atrous conv (without the taps that read only padding where that pays: model/atrous.py), norm, ReLU."""
 
     def __init__(self, in_channels: int, out_channels: int, *, dilation: int, norm_layer: NormLayer) -> None:
         super().__init__(
-            nn.Conv2d(in_channels, out_channels, 3, padding=dilation, dilation=dilation, bias=False),
+            AtrousConv2d(in_channels, out_channels, dilation=dilation),
             norm_layer(out_channels),
             nn.ReLU(),
         )

@@ -21,13 +21,14 @@ from torch import nn
 
 from syncseg.data.transforms import height_width, normalize_batch
 from syncseg.engine.devices import autocast_for
+from syncseg.model.deeplab import DeepLab
 
 logger = logging.getLogger(__name__)
 
 
 def _forward(model: nn.Module, images: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """The model's logits (float32) resized to the input size."""
-    output = model(images)
+    """The model's logits (float32) resized to the input size (a DeepLab skips its aux head: unused here)."""
+    output = model(images, aux=False) if isinstance(model, DeepLab) else model(images)
     if isinstance(output, Mapping):
         output = output["out"]
     if output.ndim != 4 or output.shape[1] != num_classes:
