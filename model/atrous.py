@@ -12,16 +12,21 @@ equal up to float rounding; tests/model/test_atrous.py checks it in float64, val
 - Otherwise the output is cut into bands along each axis by which taps read real pixels there (rows with
   y >= d have the tap above, rows with y < H - d the tap below), and each region is one unpadded
   convolution of the input slice it reads with the sub-kernel of its valid taps. Used only for inference
-  (no gradient) of bfloat16 convolutions on the CPU, where it was measured to pay: oneDNN's bf16 kernels
-  multiply the padding in full (at 47 x 63, rates 12/24/36: 237/459/667 ms plain, 132/189/170 ms in
-  regions), while its float32 kernels already skip most of it (the regions were slower there), and the
-  backward of the regions (slices, concatenations) cost more than it saved.
+  (no gradient) of bfloat16 convolutions on a CPU with AMX, where it was measured to pay: oneDNN's AMX bf16
+  kernels multiply the padding in full (at 47 x 63, rates 12/24/36: 237/459/667 ms plain, 132/189/170 ms in
+  regions). Its float32 kernels already skip most of it, and so do its AVX512_BF16 kernels without AMX
+  (AMD's kind, rehearsed with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16: 194/132/85 ms plain, 202/157/104 in
+  regions); the regions were slower there, and their backward (slices, concatenations) cost more than it
+  saved.
 The plain convolution runs under tracing, scripting, torch.compile and torch.export (their graphs must hold
 for every input size) and wherever neither case applies.
 
 Parameters and state dict are nn.Conv2d's (torchvision's ASPP keys load unchanged).
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 from torch import Tensor, nn
@@ -92,7 +97,7 @@ class AtrousConv2d(nn.Conv2d):
         if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling() or x.dim() != 4:
             return super().forward(x)
         if (x.device.type == "cpu" and not torch.is_grad_enabled() and _bfloat16_on_cpu(x, self.weight)
-                and skipped_share(x.shape[-2], x.shape[-1], self.dilation) >= MIN_SKIPPED_SHARE):
+                and amx_kernels() and skipped_share(x.shape[-2], x.shape[-1], self.dilation) >= MIN_SKIPPED_SHARE):
             return atrous_conv2d(x, self.weight, self.bias, self.dilation)
         reduced = reduced_conv2d(x, self.weight, self.bias, self.dilation)
         return super().forward(x) if reduced is None else reduced
@@ -103,3 +108,14 @@ def _bfloat16_on_cpu(x: Tensor, weight: Tensor) -> bool:
     if torch.bfloat16 in (x.dtype, weight.dtype):
         return True
     return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def amx_kernels() -> bool:
+    """Whether oneDNN runs its AMX kernels here: the CPU has AMX tiles and ONEDNN_MAX_CPU_ISA (or its old
+    name DNNL_MAX_CPU_ISA) does not cap the kernels below AMX."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if cap and cap not in ("ALL", "DEFAULT") and "AMX" not in cap:
+        return False
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False

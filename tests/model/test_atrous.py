@@ -77,8 +77,9 @@ def _count_paths(monkeypatch):
     return calls
 
 
-def test_the_module_takes_regions_only_for_bfloat16_inference_on_the_cpu(monkeypatch):
+def test_the_module_takes_regions_only_for_bfloat16_inference_on_an_amx_cpu(monkeypatch):
     calls = _count_paths(monkeypatch)
+    monkeypatch.setattr(atrous, "amx_kernels", lambda: True)
     torch.manual_seed(0)
     conv = AtrousConv2d(8, 4, dilation=12)
     x = torch.randn(1, 8, 20, 30)
@@ -116,3 +117,20 @@ def test_the_state_dict_is_a_conv2d_state_dict():
     plain.load_state_dict(conv.state_dict())
     x = torch.randn(1, 3, 16, 16)
     torch.testing.assert_close(conv(x), plain(x), atol=1e-5, rtol=0)
+
+
+def test_no_regions_where_onednn_runs_no_amx_kernels(monkeypatch):
+    probe = atrous.amx_kernels  # the real one (cached), before the stand-in below
+    calls = _count_paths(monkeypatch)
+    monkeypatch.setattr(atrous, "amx_kernels", lambda: False)
+    conv = AtrousConv2d(8, 4, dilation=12)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        conv(torch.randn(1, 8, 20, 30))
+    assert calls == {"regions": 0, "reduced": 1}
+    for cap, expected in (("AVX512_CORE_BF16", False), ("AVX2", False)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        probe.cache_clear()
+        try:
+            assert probe() is expected
+        finally:
+            probe.cache_clear()
