@@ -32,15 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import ALLOCATOR_VARIABLES, STABLE_ALLOCATOR, balanced_orders, environment, judge, paired
-from benchmarks.common import print_targets, write_record
+from benchmarks.common import ALLOCATOR_VARIABLES, STABLE_ALLOCATOR, balanced_orders, environment, print_targets
+from benchmarks.common import versus_plain, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [(375, 500), (500, 375), (333, 500), (500, 333), (366, 500), (500, 400), (281, 500), (500, 442)]
@@ -194,29 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     if abs(mious["syncseg_fp32"] - mious["plain"]) > 0.01 * mious["plain"] + 1e-6:
         raise RuntimeError(f"eval.py (fp32) and the plain loop disagree: mIoU {mious['syncseg_fp32']} vs "
                            f"{mious['plain']}: they do not evaluate the same thing")
-    names = list(variants)
-    medians = {name: statistics.median(row[name] for row in rows) for name in names}
     env = environment()
     print(f"\nDeepLabV3 / ResNet-50 OS8, {args.images} whole VOC-sized images (batch 1, 1 loader worker), "
           f"{args.rounds} rounds, process wall time; environment as started ({env['allocator']}; torch kernels "
           f"{env['cpu_capability']}, bf16 flags {env['cpu_bf16'] or 'none'})")
-    print(f"{'variant':<14} {'img/s':>7} {'x plain':>8}  mIoU")
-    for name in names:
-        ratio = statistics.median(row[name] / row["plain"] for row in rows)
-        print(f"{name:<14} {medians[name]:7.3f} {ratio:8.3f}  {mious[name]:.6f}")
+    medians, targets = versus_plain(rows, list(variants), "eval vs plain", extra={"mIoU": mious})
     for name, line in logs.items():
         print(f"{name}: {line}")
-
-    def column(name: str) -> list[float]:
-        return [row[name] for row in rows]
-
-    control = paired(column("plain_copy"), column("plain"))
-    targets = [
-        judge("eval vs plain: syncseg fp32 / plain", paired(column("syncseg_fp32"), column("plain")), target=1.10,
-              control=control, higher_is_better=True),
-        judge("eval vs plain: syncseg auto / plain", paired(column("syncseg_auto"), column("plain")), target=1.10,
-              control=control, higher_is_better=True),
-    ]
     print_targets(targets)
     write_record("bench_eval_vs_plain", args.output, {
         "benchmark": "bench_eval_vs_plain", "rounds": rows, "medians_images_per_s": medians, "images": args.images,

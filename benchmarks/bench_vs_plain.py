@@ -34,8 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ALLOCATOR_VARIABLES, STABLE_ALLOCATOR, balanced_orders, environment, judge, paired
-from benchmarks.common import print_targets, write_record
+from benchmarks.common import ALLOCATOR_VARIABLES, STABLE_ALLOCATOR, balanced_orders, environment, print_targets
+from benchmarks.common import versus_plain, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,29 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             rows.append(row)
 
-    names = list(variants)
-    medians = {name: statistics.median(row[name] for row in rows) for name in names}
     env = environment()
     print(f"\nDeepLabV3 / ResNet-50 OS8 + aux, batch 4, {args.crop} px crops, 1 loader worker, {args.rounds} rounds of "
           f"{args.windows} x {args.window} timed iterations; environment as started "
           f"({env['allocator']}; torch kernels {env['cpu_capability']}, bf16 flags {env['cpu_bf16'] or 'none'})")
-    print(f"{'variant':<14} {'img/s':>7} {'x plain':>8}")
-    for name in names:
-        ratio = statistics.median(row[name] / row["plain"] for row in rows)
-        print(f"{name:<14} {medians[name]:7.3f} {ratio:8.3f}")
+    medians, targets = versus_plain(rows, list(variants), "vs plain")
     for name, line in logs.items():
         print(f"{name}: {line}")
-
-    def column(name: str) -> list[float]:
-        return [row[name] for row in rows]
-
-    control = paired(column("plain_copy"), column("plain"))
-    targets = [
-        judge("vs plain: syncseg fp32 / plain", paired(column("syncseg_fp32"), column("plain")), target=1.10,
-              control=control, higher_is_better=True),
-        judge("vs plain: syncseg auto / plain", paired(column("syncseg_auto"), column("plain")), target=1.10,
-              control=control, higher_is_better=True),
-    ]
     print_targets(targets)
     write_record("bench_vs_plain", args.output, {
         "benchmark": "bench_vs_plain", "rounds": rows, "medians_images_per_s": medians, "crop": args.crop,

@@ -201,6 +201,28 @@ def print_targets(targets: Sequence[Mapping[str, Any]]) -> None:
               f"{format_spread(t['figure'])}")
 
 
+def versus_plain(rows: Sequence[Mapping[str, float]], names: Sequence[str], label: str, *,
+                 extra: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The table and targets of a product-against-plain-loop benchmark (bench_vs_plain, bench_eval_vs_plain):
+    `rows` hold images/s per variant and round (syncseg_fp32, syncseg_auto, plain, plain_copy, ...). Prints
+    each variant (in the order of `names`)'s median and its median paired ratio to `plain` (plus `extra[name]`'s values per variant),
+    then the two targets (fp32 and auto >= 1.10x plain, A/A: plain_copy / plain); returns (medians, targets)."""
+    extra = extra or {}
+    medians = {name: statistics.median(row[name] for row in rows) for name in names}
+    print(f"{'variant':<14} {'img/s':>7} {'x plain':>8}" + "".join(f"  {key}" for key in extra))
+    for name in names:
+        ratio = statistics.median(row[name] / row["plain"] for row in rows)
+        print(f"{name:<14} {medians[name]:7.3f} {ratio:8.3f}" + "".join(f"  {values[name]:.6f}" for values in extra.values()))
+
+    def column(name: str) -> list[float]:
+        return [row[name] for row in rows]
+
+    control = paired(column("plain_copy"), column("plain"))
+    targets = [judge(f"{label}: syncseg {kind} / plain", paired(column(f"syncseg_{kind}"), column("plain")),
+                     target=1.10, control=control, higher_is_better=True) for kind in ("fp32", "auto")]
+    return medians, targets
+
+
 def write_record(name: str, output: str | None, payload: Mapping[str, Any]) -> Path:
     """Write the benchmark's JSON (its `targets` list is what benchmarks.summary reads)."""
     path = Path(output) if output else RESULTS / f"{name}.json"
