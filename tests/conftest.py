@@ -1,3 +1,4 @@
+import collections
 import errno
 import importlib
 import os
@@ -8,8 +9,16 @@ import tempfile
 import pytest
 import torch
 
-# Keep tests deterministic and light on the 2-core CI machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Keep tests deterministic and light on the 2-core CI machine: at most 2 threads, and under pytest-xdist
+# (`make test` runs 2 workers) the cores shared among the workers, the processes the tests start included
+# (OMP_NUM_THREADS, unless a test sets its own). More threads than cores cost far more than they give: with
+# 2 threads in each of 2 workers, OpenMP's waiting threads spin on the cores the other worker needs (the
+# in-process training tests took 3-4x their CPU time).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+torch.set_num_threads(THREADS)
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 # train.amp/eval.amp=auto take the fp32 path on every CPU, so that no test's outcome or time depends on
 # whether the CPU has native bf16 (AVX512_BF16/AMX: about 14x faster than emulated bf16 on AVX2 alone).
 # Set in the environment, so the train.py / torchrun processes the tests start inherit it. Tests of the
@@ -28,6 +37,16 @@ def pytest_sessionstart(session):
         session.config.issue_config_time_warning(pytest.PytestWarning(
             f"{folder} has {free:.1f} GiB free; the test suite writes up to ~{PEAK_DISK_GIB} GiB of "
             "checkpoints there at once (set TMPDIR to a roomier disk)"), stacklevel=2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with the most slow tests first, the order within a file kept. `make test` runs pytest-xdist
+    file by file in this order (`-n 2 --dist loadfile --no-loadscope-reorder`): the long multi-process
+    files start at once and the short tests of the other files fill the gaps after them, instead of a long
+    file that was handed out last running alone at the end (xdist's own order is by test count). A file
+    stays on one worker, so its module fixtures, such as the uninterrupted reference runs, run once."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 @pytest.fixture
