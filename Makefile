@@ -10,9 +10,7 @@ venv: $(STAMP)
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# --no-compile: pip would compile every module of every package (a third of the install's CPU time, most of it
-	# torch's); Python compiles and caches the ones a process imports, the first time it imports them
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-test.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
 	# the project itself, editable (pyproject.toml): console commands, imports from anywhere; its
 	# dependencies are the pinned ones just installed, and the venv's setuptools builds it (no download)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
