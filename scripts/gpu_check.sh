@@ -13,7 +13,7 @@ set -uo pipefail
 
 usage() {
   cat <<'EOF_USAGE'
-usage: scripts/gpu_check.sh OUTPUT_DIR [--dry-run] [--wheels DIR]
+usage: scripts/gpu_check.sh OUTPUT_DIR [--dry-run] [--wheels DIR] [--steps STEP,STEP...]
 
 Runs, in this order, each step under its own timeout and all within 7.5 minutes (a step that fails or times
 out is recorded and the next one runs; the steps the time does not reach are recorded as not run):
@@ -58,6 +58,10 @@ script was started), each as soon as its step ends:
   benchmarks.txt       the benchmarks' output
   bench_cuda.json      bench_cuda's record, with the step's status
 Options:
+  --steps LIST   run only these steps (comma-separated names from the list above; `cuda_tests` stands for
+                 every CUDA test file); environment and deps always run, the others are recorded as
+                 SKIPPED "not selected". To rerun what failed after a fix without spending the device
+                 time on the rest, e.g. --steps train_fp16_resume,compile_syncbn
   --wheels DIR   wheels for the deps step (default: .gpu_wheels in the repository root, made by
                  `python scripts/gpu_wheels.py` where PyPI is reachable; the device tool copies it
                  only when the call names it: carry=['.gpu_wheels'])
@@ -79,6 +83,9 @@ EOF_USAGE
 dry_run=0
 wheels=""
 out=""
+steps=""
+ALL_STEPS="environment deps train_fp16_resume train_bf16_channels_last train_off_sigterm train_ddp2 tf32 bad_mask
+two_processes_one_gpu dp_one_gpu compile_syncbn val_autotune cuda_tests bench_cuda bench_syncbn"
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
@@ -87,6 +94,10 @@ while [ $# -gt 0 ]; do
       if [ $# -lt 2 ]; then echo "gpu_check.sh: --wheels needs a DIR" >&2; usage >&2; exit 2; fi
       wheels=$2; shift ;;
     --wheels=*) wheels=${1#--wheels=} ;;
+    --steps)
+      if [ $# -lt 2 ]; then echo "gpu_check.sh: --steps needs a LIST" >&2; usage >&2; exit 2; fi
+      steps=$2; shift ;;
+    --steps=*) steps=${1#--steps=} ;;
     -*) echo "gpu_check.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
     *)
       if [ -n "$out" ]; then echo "gpu_check.sh: one OUTPUT_DIR expected, got '$out' and '$1'" >&2; usage >&2; exit 2; fi
@@ -95,6 +106,14 @@ while [ $# -gt 0 ]; do
   shift
 done
 if [ -z "$out" ]; then usage >&2; exit 2; fi
+if [ -n "$steps" ]; then
+  for step in ${steps//,/ }; do
+    case " $(echo $ALL_STEPS) " in
+      *" $step "*) ;;
+      *) echo "gpu_check.sh: --steps: unknown step '$step'; the steps: $(echo $ALL_STEPS | tr ' ' ',')" >&2; exit 2 ;;
+    esac
+  done
+fi
 
 # Paths given relative to where the script was started are resolved before the cd to the repository root.
 mkdir -p "$out" || { echo "gpu_check.sh: cannot create OUTPUT_DIR '$out'" >&2; exit 2; }
@@ -139,7 +158,7 @@ for file in "$env_log" "$train_log" "$probes_log" "$tests_log" "$bench_log"; do 
 echo '{}' > "$metrics_json"
 rm -f "$cuda_json"
 {
-  echo "gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC')$([ $dry_run = 1 ] && echo ', DRY RUN (no GPU steps)'); python: $py; wheels: $wheels"
+  echo "gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC')$([ $dry_run = 1 ] && echo ', DRY RUN (no GPU steps)'); python: $py; wheels: $wheels$([ -n "$steps" ] && echo "; steps: $steps")"
   printf '%-7s %5s  %-44s %s\n' STATUS TIME STEP DETAIL
 } > "$summary"
 
@@ -179,6 +198,10 @@ bounded() {
   echo "=== exit status $rc after ${took} s" >> "$log"
 }
 
+# selected STEP: whether --steps leaves STEP to run (all do without --steps). unselected STEP: its summary line.
+selected() { [ -z "$steps" ] || case ",$steps," in *",$1,"*) true ;; *) false ;; esac; }
+unselected() { record SKIPPED 0 "$1" "not selected (--steps $steps)"; }
+
 # verdict STEP DETAIL [DRY_REASON]: the summary line for the last `bounded` run. In a dry run a command
 # that succeeded stands in for the GPU step, which is SKIPPED with DRY_REASON.
 verdict() {
@@ -203,7 +226,8 @@ try:
     record = json.loads(path.read_text())
 except (OSError, ValueError):
     record = {}
-outcome = {0: "done", 124: "timed out", -1: "not run: the time budget was spent"}.get(rc, f"failed ({rc})")
+outcome = {0: "done", 124: "timed out", -1: "not run: the time budget was spent",
+           -3: "not run: not selected (--steps)"}.get(rc, f"failed ({rc})")
 record["gpu_check"] = {"exit_status": rc, "outcome": outcome, "seconds": took, "dry_run": dry_run}
 path.write_text(json.dumps(record, indent=2))
 EOF_PY
@@ -380,6 +404,7 @@ not_run() {
 probe() {
   local step=$1 log=$2 dry_reason=$3 budget=$4 detail
   shift 4
+  if ! selected "$step"; then unselected "$step"; return; fi
   echo "--- $step" >> "$log"
   mark "$log"
   bounded "$budget" "$log" "$py" -m scripts.gpu_probes "$@"
@@ -398,6 +423,7 @@ else
   # fp16 + GradScaler + fused AdamW, resumed from the checkpoint an unfused optimizer would have written: torch
   # moves a loaded step to the parameter's device only when the saved group was fused (issue 30)
   name=train_fp16_resume run=$work/runs/train_fp16_resume step_start=$SECONDS
+  if ! selected $name; then not_run $name "not selected (--steps $steps)"; else
   echo "--- $name: first part" >> "$train_log"
   bounded 80 "$train_log" "$py" "${demo[@]}" output_dir="$run" "${size_args[@]}" "${fp16_first[@]}"
   detail="first part"
@@ -417,8 +443,11 @@ else
   took=$((SECONDS - step_start))
   val=$(add_metrics "$name" "$run" 2>> "$train_log")
   verdict "$name" "$detail${val:+; $val}" "no CUDA device; 1 fp32 CPU iteration, its last.pt made unfused, resumed to 2"
+  fi
 
-  if [ $dry_run = 1 ]; then  # the overrides checked, nothing trained
+  if ! selected train_bf16_channels_last; then
+    not_run train_bf16_channels_last "not selected (--steps $steps)"
+  elif [ $dry_run = 1 ]; then  # the overrides checked, nothing trained
     echo "--- train_bf16_channels_last: the config it would train with" >> "$train_log"
     bounded 60 "$train_log" "$py" "${demo[@]}" --print-config output_dir="$work/runs/train_bf16_channels_last" \
       train.amp=auto model.channels_last=auto train.iters=20
@@ -437,12 +466,16 @@ else
   fi
 
   # full fp32 (TF32 off) stopped by SIGTERM mid-step: exit 143, last.pt saved, the stop line
+  if ! selected train_off_sigterm; then not_run train_off_sigterm "not selected (--steps $steps)"; else
   probe train_off_sigterm "$train_log" "no CUDA device; the same on the CPU" 80 sigterm -- "${demo[@]:1}" \
     output_dir="$work/runs/train_off_sigterm" "${size_args[@]}" train.amp=off train.iters=2000 train.log_interval=1 \
     train.val_interval=5000 train.ckpt_interval=5000
   add_metrics train_off_sigterm "$work/runs/train_off_sigterm" > /dev/null 2>> "$train_log"
+  fi
 
-  if [ $dry_run = 1 ]; then
+  if ! selected train_ddp2; then
+    not_run train_ddp2 "not selected (--steps $steps)"
+  elif [ $dry_run = 1 ]; then
     not_run train_ddp2 "dry run: needs 2 GPUs; $gpus here"
   elif [ "$gpus" -lt 2 ]; then
     not_run train_ddp2 "needs 2 GPUs; $gpus here"
@@ -490,6 +523,7 @@ mapfile -t cuda_tests < <(grep -rl "mark.cuda" tests --include='test_*.py' | sor
 echo "CUDA test files: ${cuda_tests[*]}" >> "$tests_log"
 if [ ${#cuda_tests[@]} -eq 0 ]; then record FAIL 0 cuda_tests "no test file declares mark.cuda under tests/"; fi
 for file in "${cuda_tests[@]}"; do
+  if ! selected cuda_tests; then unselected "cuda_tests:${file#tests/}"; continue; fi
   left=$((tests_deadline - SECONDS))
   if [ "$left" -gt 100 ]; then left=100; fi
   start_line=$(wc -l < "$tests_log")
@@ -515,7 +549,10 @@ done
 # SyncBN against torch.nn.SyncBatchNorm / nn.BatchNorm2d on three shapes (one process; two with NCCL when
 # there are 2 GPUs), then training images/s and peak memory, fp32 vs fp16 autocast + channels_last. The
 # layer part's JSON is written before the training part imports the engine.
-if [ $dry_run = 1 ]; then
+if ! selected bench_cuda; then
+  unselected bench_cuda
+  rc=-3 took=0  # note_json: "not selected"
+elif [ $dry_run = 1 ]; then
   bounded 150 "$bench_log" "$py" -m benchmarks.bench_cuda --device cpu --repeats 2 --train-iters 1 --output "$cuda_json"
   verdict bench_cuda "" "no CUDA device; tiny CPU shapes checked the layer part, and the engine imports"
 else
@@ -524,7 +561,9 @@ else
 fi
 note_json "$cuda_json"
 
-if [ $dry_run = 1 ]; then
+if ! selected bench_syncbn; then
+  unselected bench_syncbn
+elif [ $dry_run = 1 ]; then
   bounded 60 "$bench_log" "$py" -m benchmarks.bench_syncbn --help
   verdict bench_syncbn "" "no CUDA device; its --help checked that it imports"
 else
