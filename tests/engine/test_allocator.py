@@ -46,12 +46,14 @@ def test_kept_memory_is_reused_instead_of_faulted_in_again():
     default, _ = _faults("default")
     kept, said = _faults("keep")
     assert "freed memory kept for reuse" in said
-    # glibc's defaults: steps map their multi-megabyte activations afresh (4000-14000 page faults a step
-    # here); kept: once the heap has settled, they are reused (0-4096 a step)
-    assert default > 5 * 2048 and kept < default / 2, (default, kept)
+    # glibc's defaults: steps map some of their 8 MB activations (2048 pages each) afresh; how many varies
+    # from run to run, with the hash seed and ASLR fixed too: 4096-103000 faults over the 5 steps measured
+    # (the low end once, on a loaded CI machine under pytest-xdist). Kept: once the heap has settled they
+    # are reused (0-2047). The floor only says the churn happened: at least one activation faulted in again.
+    assert default >= 2048 and kept < default / 2, (default, kept)
     opted_out, said = _faults("keep", SYNCSEG_KEEP_FREED_MEMORY="0")
     assert "glibc's defaults (SYNCSEG_KEEP_FREED_MEMORY=0)" in said
-    assert opted_out > 5 * 2048 and opted_out > 2 * kept, (opted_out, kept)  # as glibc's defaults: 4000-14000 a step
+    assert opted_out >= 2048 and opted_out > 2 * kept, (opted_out, kept)  # as glibc's defaults
 
 
 @pytest.mark.parametrize("env, expected", [
