@@ -24,8 +24,9 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 # their time is multi-process compile and gloo tests that already use both cores, and two of them side by
 # side took 2x longer (152 s in all against 103-132 s).
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP) test-sbn
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
+	$(PY) -m pytest -q $(XDIST) --durations=25 tests
 
 # The sync_batchnorm distribution (model/sync_batchnorm/pyproject.toml) as its users get it: its wheel,
 # installed in .venv-sbn, a venv that sees torch and pytest only (linked from $(VENV) by tests/linked_venv.py
@@ -42,7 +43,7 @@ test-sbn: $(STAMP)
 
 # Everything but the tests marked slow.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 # Every benchmark: each prints its table and writes JSON under benchmarks/results/, then one summary
 # table of every target (PASS / FAIL / NOISY beside its A/A control). Each benchmark re-executes itself

@@ -199,8 +199,9 @@ bounded() {
 }
 
 # selected STEP: whether --steps leaves STEP to run (all do without --steps). unselected STEP: its summary line.
+unselected_reason="not selected (--steps $steps)"
 selected() { [ -z "$steps" ] || case ",$steps," in *",$1,"*) true ;; *) false ;; esac; }
-unselected() { record SKIPPED 0 "$1" "not selected (--steps $steps)"; }
+unselected() { record SKIPPED 0 "$1" "$unselected_reason"; }
 
 # verdict STEP DETAIL [DRY_REASON]: the summary line for the last `bounded` run. In a dry run a command
 # that succeeded stands in for the GPU step, which is SKIPPED with DRY_REASON.
@@ -423,7 +424,7 @@ else
   # fp16 + GradScaler + fused AdamW, resumed from the checkpoint an unfused optimizer would have written: torch
   # moves a loaded step to the parameter's device only when the saved group was fused (issue 30)
   name=train_fp16_resume run=$work/runs/train_fp16_resume step_start=$SECONDS
-  if ! selected $name; then not_run $name "not selected (--steps $steps)"; else
+  if ! selected $name; then not_run $name "$unselected_reason"; else
   echo "--- $name: first part" >> "$train_log"
   bounded 80 "$train_log" "$py" "${demo[@]}" output_dir="$run" "${size_args[@]}" "${fp16_first[@]}"
   detail="first part"
@@ -446,7 +447,7 @@ else
   fi
 
   if ! selected train_bf16_channels_last; then
-    not_run train_bf16_channels_last "not selected (--steps $steps)"
+    not_run train_bf16_channels_last "$unselected_reason"
   elif [ $dry_run = 1 ]; then  # the overrides checked, nothing trained
     echo "--- train_bf16_channels_last: the config it would train with" >> "$train_log"
     bounded 60 "$train_log" "$py" "${demo[@]}" --print-config output_dir="$work/runs/train_bf16_channels_last" \
@@ -466,7 +467,7 @@ else
   fi
 
   # full fp32 (TF32 off) stopped by SIGTERM mid-step: exit 143, last.pt saved, the stop line
-  if ! selected train_off_sigterm; then not_run train_off_sigterm "not selected (--steps $steps)"; else
+  if ! selected train_off_sigterm; then not_run train_off_sigterm "$unselected_reason"; else
   probe train_off_sigterm "$train_log" "no CUDA device; the same on the CPU" 80 sigterm -- "${demo[@]:1}" \
     output_dir="$work/runs/train_off_sigterm" "${size_args[@]}" train.amp=off train.iters=2000 train.log_interval=1 \
     train.val_interval=5000 train.ckpt_interval=5000
@@ -474,7 +475,7 @@ else
   fi
 
   if ! selected train_ddp2; then
-    not_run train_ddp2 "not selected (--steps $steps)"
+    not_run train_ddp2 "$unselected_reason"
   elif [ $dry_run = 1 ]; then
     not_run train_ddp2 "dry run: needs 2 GPUs; $gpus here"
   elif [ "$gpus" -lt 2 ]; then
