@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -225,9 +226,10 @@ def test_dry_run_without_wheels_reports_every_step_and_keeps_going(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_wheels):
+def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_wheels, step_past_its_time):
     """Missing albumentations, wheels at hand: deps installs them into a private folder, and every later
-    step (pytest collection, train.py, bench_cuda's engine import) imports them from there."""
+    step (pytest collection, train.py, bench_cuda's engine import) imports them from there. (The step-budget
+    run of the test after this one runs beside it: step_past_its_time.)"""
     result, out = run_dry(tmp_path, venv_wheels)
     assert result.returncode == 0, result.stdout + result.stderr
     steps = summary_lines(out)
@@ -255,17 +257,22 @@ def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_
     assert not list(tmp_path.glob("gpu_check.*"))
 
 
-@pytest.mark.slow
-def test_a_step_past_its_time_is_stopped_and_the_rest_reported(tmp_path):
-    """GPU_CHECK_SECONDS=75 and a train.py that hangs (a PYTHON wrapper sleeps instead; pytest answers at
-    once): the training is stopped at the deadline (TIMEOUT), the steps after it are recorded as not run,
-    every file is there, and the whole run ends within the budget plus timeout's kill grace. The budget
-    must leave what runs before the training (the environment and deps steps and the deps listing: real
-    imports, 7 s on an idle machine) the 10 s a step needs: on a loaded CI machine they took 36 s (with
-    pytest-xdist's other worker running 16 gloo processes), and a budget of 45 s (20 s before that) skipped
-    the training instead of timing it out. The test waits, it does not compute: its time costs no CPU."""
-    BUDGET = 75  # noqa: N806 - the figure the assertions quote
-    wrapper = tmp_path / "python"
+BUDGET = 75  # the step-budget run's GPU_CHECK_SECONDS (step_past_its_time)
+
+
+@pytest.fixture(scope="module")
+def step_past_its_time(tmp_path_factory):
+    """gpu_check.sh with GPU_CHECK_SECONDS=BUDGET and a train.py that hangs (a PYTHON wrapper sleeps instead;
+    pytest answers at once), started when first requested and left to run: it waits, it does not compute, so
+    the full dry run, which requests it, runs beside it instead of this file's worker idling for BUDGET s.
+    Yields a function that waits for it and returns (exit status, seconds it ran, its OUT folder, console).
+
+    The budget must leave what runs before the training (the environment and deps steps and the deps
+    listing: real imports, 7 s on an idle machine) the 10 s a step needs: on a loaded CI machine they took
+    36 s (with pytest-xdist's other worker running 16 gloo processes), and a budget of 45 s (20 s before that)
+    skipped the training instead of timing it out."""
+    folder = tmp_path_factory.mktemp("past_its_time")
+    wrapper = folder / "python"
     wrapper.write_text(f"""#!/bin/bash
 for argument in "$@"; do
   case $argument in
@@ -276,23 +283,45 @@ done
 exec {sys.executable} "$@"
 """)
     wrapper.chmod(0o755)
-    environment = {**os.environ, "PYTHON": str(wrapper), "GPU_CHECK_SECONDS": str(BUDGET), "TMPDIR": str(tmp_path)}
+    environment = {**os.environ, "PYTHON": str(wrapper), "GPU_CHECK_SECONDS": str(BUDGET), "TMPDIR": str(folder)}
+    console = folder / "console.txt"
+    with console.open("w") as file:
+        process = subprocess.Popen(["bash", str(SCRIPT), "--dry-run", str(folder / "out")], env=environment,
+                                   stdout=file, stderr=subprocess.STDOUT)
     started = time.monotonic()
-    result = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(tmp_path / "out")], env=environment,
-                            capture_output=True, text=True, timeout=300)
-    elapsed = time.monotonic() - started
-    out = tmp_path / "out"
+    ended: list[float] = []
+    watcher = threading.Thread(target=lambda: (process.wait(), ended.append(time.monotonic())), daemon=True)
+    watcher.start()
+
+    def finish() -> tuple[int, float, Path, str]:
+        watcher.join(timeout=300)
+        assert ended, f"gpu_check.sh still running 300 s after its {BUDGET} s budget"
+        return process.returncode, ended[0] - started, folder / "out", console.read_text()
+
+    try:
+        yield finish
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+def test_a_step_past_its_time_is_stopped_and_the_rest_reported(step_past_its_time):
+    """The training is stopped at the deadline (TIMEOUT), the steps after it are recorded as not run, every file
+    is there, and the whole run ends within the budget plus timeout's kill grace."""
+    returncode, elapsed, out, console = step_past_its_time()
     steps = summary_lines(out)
     check_file_set(out, steps)
-    assert result.returncode == 1
+    assert returncode == 1, console
     first = steps["train_fp16_resume"]
-    assert first[0] == "TIMEOUT" and first[1].startswith("stopped after"), result.stdout
+    assert first[0] == "TIMEOUT" and first[1].startswith("stopped after"), console
     for step in (*TRAININGS[1:3], *PROBES, *STEPS_AFTER_TESTS):
-        assert steps[step] == ("SKIPPED", f"not run: the {BUDGET} s budget of all steps is spent"), (step, result.stdout)
+        assert steps[step] == ("SKIPPED", f"not run: the {BUDGET} s budget of all steps is spent"), (step, console)
     assert json.loads((out / "train_metrics.json").read_text())["train_fp16_resume"]["outcome"] == "timed out"
     assert json.loads((out / "bench_cuda.json").read_text())["gpu_check"]["outcome"].startswith("not run")
     assert elapsed < BUDGET + 10 + 15, elapsed  # budget, timeout's kill grace, the bookkeeping
-    assert not list(tmp_path.glob("gpu_check.*"))
+    assert not list(out.parent.glob("gpu_check.*"))
 
 
 @pytest.fixture(scope="module")
