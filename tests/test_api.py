@@ -2,6 +2,7 @@
 against predict.py and a float64 re-computation, the README's example run as written, and a light import."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -122,7 +123,9 @@ def test_the_readme_example_runs_as_written(tmp_path):
     example = _readme_example()
     assert "syncseg.train(" in example and "syncseg.load_model(" in example and "syncseg.build_model(" in example
     done = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env={"PATH": "/usr/bin:/bin", "SYNCSEG_NATIVE_BF16": "0", "OMP_NUM_THREADS": "2"})
+                          env={"PATH": "/usr/bin:/bin", "SYNCSEG_NATIVE_BF16": "0",
+                               # the cores this pytest worker has (tests/conftest.py), 2 in a serial run
+                               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     iteration, best_miou, run_dir = lines[-2].split(" ", 2)

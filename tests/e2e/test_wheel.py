@@ -5,6 +5,7 @@ evaluate with a shipped config found as package data, and `import syncseg` leave
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def test_the_wheel_installs_beside_a_project_with_its_own_data_and_model(tmp_pat
     project = tmp_path / "myproject"
     _user_project(project)
     environment = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "PYTHONPATH": str(project), "HOME": str(tmp_path),
-                   "SYNCSEG_NATIVE_BF16": "0", "OMP_NUM_THREADS": "2"}
+                   "SYNCSEG_NATIVE_BF16": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
 
     def run(*command: str) -> subprocess.CompletedProcess:
         return subprocess.run(list(command), cwd=project, env=environment, capture_output=True, text=True,
