@@ -1,18 +1,26 @@
-"""A run saved at one world size and resumed at another trains as one process on the same global batches.
+"""Torchrun (gloo, CPU) training equals one process on the same global batches, and a run saved at one world
+size and resumed at another trains on as one process would. One float64 run of 6 iterations on one process is
+compared with a chain of torchrun launches over one run dir: 2 processes for iterations 1-2, resumed by 3
+processes for 3-4 (2 -> 3, a world that grows), then by 2 again for 5-6 (3 -> 2, one that shrinks). The global
+batch of 8 is split 4,4 and 3,3,2 (uneven); with 24 samples an epoch is 3 steps, so the resumes land mid-epoch
+and the 3-process leg crosses an epoch boundary. (Two and three processes, not four: the 2-core CI machine pays
+every process's start-up, and a world that shrinks, grows and splits unevenly needs no more; 16 processes:
+test_large_world.)
 
-One float64 run of 6 iterations on one process is compared with a chain of torchrun (gloo, CPU) launches
-over one run dir: 2 processes for iterations 1-2, resumed by 3 processes for 3-4 (2 -> 3, a world that
-grows), then by 2 again for 5-6 (3 -> 2, one that shrinks). The global batch of 8 is split 4,4 and 3,3,2
-(uneven); with 24 samples an epoch is 3 steps, so the resumes land mid-epoch and the 3-process leg crosses
-an epoch boundary. (Two and three processes, not four: the 2-core CI machine pays every process's start-up, and
-a world that shrinks, grows and splits unevenly needs no more; 16 processes: test_large_world.) With
-`model.norm=syncbn` every step normalizes with the statistics of the global batch, so the losses, the
-final weights and the BatchNorm running statistics match the single process's (float64: tests/float64.py;
-dropout disabled, as in test_train_ddp: its masks come from per-process random streams).
+This is what synchronized BatchNorm buys: with `model.norm=syncbn` every step normalizes with the statistics
+of the global batch, so the losses, the final weights and the BatchNorm running statistics match the single
+process's; with plain `bn` (per-process statistics) they do not, which the negative control checks at step 1.
+Every leg validates at its last iteration, sharded over its processes (6 images: 3,3 and 2,2,2) with the
+confusion matrix all-reduced: the same mIoU as the single process's. (This file took over the 2-process test
+of test_train_ddp.py, whose claims were its first leg's; uneven validation shards: tests/engine/test_evaluate.py.)
 
-Run as a module (under torchrun or alone), this file trains like test_train_ddp's, but through the run
-plan, so `--resume auto` decides as train.py does: `python -m tests.e2e.test_elastic_resume OUTPUT STOP_AT
-KEY=VALUE...` trains up to STOP_AT (saving last.pt there) and writes that launch's losses as JSON.
+The comparisons run in float64 (tests/float64.py says why): the runs agree to ~1e-14 there, where float32 runs
+of a 2-process test differed by 2e-6 on one CPU and 6e-3 on another. Dropout is disabled: its masks come from
+per-process random streams and cannot match between 1 and 2 processes.
+
+Run as a module (under torchrun or alone), this file trains through the run plan, so `--resume auto` decides
+as train.py does: `python -m tests.e2e.test_elastic_resume OUTPUT STOP_AT KEY=VALUE...` trains up to STOP_AT
+(saving last.pt there) and writes that launch's losses as JSON.
 """
 from __future__ import annotations
 
@@ -26,18 +34,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.common import ROOT
-from tests.e2e.test_train_ddp import TINY, TOLERANCE, _env
+from tests.e2e.common import ROOT, TINY_BASE
+
+TINY = [*TINY_BASE, "data.scale_range=0.75,1.25", "data.synthetic_val_size=6", "model.channels_last=false",
+        "train.warmup_iters=1", "train.amp=off", "train.optimizer=sgd", "train.lr=0.01", "train.head_lr_mult=10",
+        "eval.batch_size=2"]
+TOLERANCE = 1e-6  # float64 runs of different splits agree to ~1e-13; a float32 run would miss by ~1e-3
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
 
 ITERS = 6
 ELASTIC = [*TINY, "model.norm=syncbn", "data.synthetic_train_size=24", "train.batch_size=8", f"train.iters={ITERS}",
-           "train.val_interval=1000", "train.ckpt_interval=1000"]
+           "train.val_interval=2", "train.ckpt_interval=1000"]
 TIMEOUT = 240  # seconds per launch; each takes 15-40 s on 2 shared CPU cores
 
 
-def _launch(run_dir: Path, output: Path, *, processes: int, stop_at: int) -> tuple[dict, str]:
+def _launch(run_dir: Path, output: Path, *, processes: int, stop_at: int, extra: tuple[str, ...] = ()
+            ) -> tuple[dict, str]:
     arguments = ["--module", "tests.e2e.test_elastic_resume", str(output), str(stop_at), f"output_dir={run_dir}",
-                 *ELASTIC]
+                 *ELASTIC, *extra]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     command = [*launcher, *arguments] if processes > 1 else [sys.executable, "-m", *arguments[1:]]
     process = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
@@ -97,7 +118,8 @@ def test_a_run_saved_at_two_processes_resumed_at_three_and_back_equals_one_proce
     assert all(int(single_bn[name]) == ITERS for name in single_bn if name.endswith("num_batches_tracked"))
 
     # the launches resumed, and rank 0 said what the new world size changes
-    assert "DDP over 2 processes; global batch 8, per-device batch 4; BN statistics across the processes" in logs[0]
+    assert "DDP over 2 processes; global batch 8, per-device batch 4; BN statistics across the processes through " \
+        "torch.distributed" in logs[0]
     assert "resuming" not in logs[0]
     assert f"resuming {run_dir / 'last.pt'} at iteration 2" in logs[1]
     assert f"resuming {run_dir / 'last.pt'} at iteration 4" in logs[2]
@@ -106,6 +128,24 @@ def test_a_run_saved_at_two_processes_resumed_at_three_and_back_equals_one_proce
     for log in logs[1:]:
         assert "global batch 8 unchanged; data order unchanged (the same global order of samples" in log
         assert "BN statistics still those of the whole (micro-)batch" in log
+
+    # every leg's validation, sharded over its processes, gives the single process's
+    validations = {name: {r["iteration"]: r for r in _records(folder) if r["type"] == "val"}
+                   for name, folder in (("single", tmp_path / "single"), ("elastic", run_dir))}
+    assert sorted(validations["elastic"]) == sorted(validations["single"]) == [2, 4, ITERS]
+    for iteration, expected in validations["single"].items():
+        got = validations["elastic"][iteration]
+        assert got["num_images"] == expected["num_images"] == 6, iteration
+        assert got["miou"] == pytest.approx(expected["miou"], abs=1e-9), iteration
+
+    # negative control: per-process BN statistics normalize differently from the first forward on
+    unsynced, log = _launch(tmp_path / "bn", tmp_path / "bn.json", processes=2, stop_at=1, extra=("model.norm=bn",))
+    assert "not synchronized" in log
+    assert abs(unsynced["losses"]["1"] - single["losses"]["1"]) > 1000 * TOLERANCE
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def main(argv: list[str]) -> int:

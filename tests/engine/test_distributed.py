@@ -124,7 +124,7 @@ def _as_torchrun_rank_1_of_2(monkeypatch) -> tuple[DistInfo, list[dict]]:
 
 def test_torchrun_env_initializes_gloo_on_cpu(monkeypatch):
     """WORLD_SIZE>1 goes the DDP way; the process-group call is intercepted (a real 2-process run is in
-    tests/e2e/test_train_ddp.py)."""
+    tests/e2e/test_elastic_resume.py)."""
     _fake_cuda(monkeypatch, 0)
     info, calls = _as_torchrun_rank_1_of_2(monkeypatch)
     assert calls == [{"backend": "gloo", "init_method": "env://", "rank": 1, "world_size": 2,
