@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,22 +25,17 @@ import pytest
 import torch
 
 from tests.e2e.common import ROOT, TINY_BASE
+from tests.gloo import free_port
 
 TINY = [*TINY_BASE, "data.synthetic_val_size=5", "model.channels_last=false", "train.amp=off", "train.iters=4",
         "train.warmup_iters=1", "train.ckpt_interval=100", "eval.batch_size=1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(tmp_path: Path, name: str, *, stop_at: str = "", resume: bool = False, extra: tuple[str, ...] = ()) -> list:
     """Train with 2 gloo processes, one per rank; returns each rank's JSON."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHELASTIC_", "SLURM_"))}
     env.update(OMP_NUM_THREADS="1", STOP_AT=stop_at, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+               MASTER_PORT=str(free_port()))
     output = tmp_path / f"{name}.json"
     command = [sys.executable, "-m", "tests.e2e.test_stop", str(output), *(["--resume"] if resume else []),
                f"output_dir={tmp_path / 'run'}", *TINY, *extra]
