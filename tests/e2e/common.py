@@ -1,6 +1,7 @@
 """What the end-to-end tests share: the repository root and the base of their tiny demo-config runs."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -12,3 +13,8 @@ TINY_BASE = [
     "model.backbone=resnet18", "model.head_channels=16", "model.aspp_rates=1",
     "train.batch_size=4", "train.log_interval=1",
 ]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run dir's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.common import ROOT, TINY_BASE
+from tests.e2e.common import ROOT, TINY_BASE, read_metrics
 
 TINY = [*TINY_BASE, "data.scale_range=0.75,1.25", "data.synthetic_val_size=6", "model.channels_last=false",
         "train.warmup_iters=1", "train.amp=off", "train.optimizer=sgd", "train.lr=0.01", "train.head_lr_mult=10",
@@ -130,7 +130,7 @@ def test_a_run_saved_at_two_processes_resumed_at_three_and_back_equals_one_proce
         assert "BN statistics still those of the whole (micro-)batch" in log
 
     # every leg's validation, sharded over its processes, gives the single process's
-    validations = {name: {r["iteration"]: r for r in _records(folder) if r["type"] == "val"}
+    validations = {name: {r["iteration"]: r for r in read_metrics(folder) if r["type"] == "val"}
                    for name, folder in (("single", tmp_path / "single"), ("elastic", run_dir))}
     assert sorted(validations["elastic"]) == sorted(validations["single"]) == [2, 4, ITERS]
     for iteration, expected in validations["single"].items():
@@ -142,10 +142,6 @@ def test_a_run_saved_at_two_processes_resumed_at_three_and_back_equals_one_proce
     unsynced, log = _launch(tmp_path / "bn", tmp_path / "bn.json", processes=2, stop_at=1, extra=("model.norm=bn",))
     assert "not synchronized" in log
     assert abs(unsynced["losses"]["1"] - single["losses"]["1"]) > 1000 * TOLERANCE
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.common import ROOT, TINY_BASE
+from tests.e2e.common import ROOT, TINY_BASE, read_metrics
 
 TINY = [*TINY_BASE, "data.scale_range=0.9,1.1", "data.synthetic_val_size=4", "model.aux_loss=false", "train.lr=0.001",
         "train.warmup_iters=2", "eval.batch_size=4"]
@@ -33,10 +33,6 @@ def run_train(*args: str, check: bool = True, timeout: float = 300) -> subproces
     if check and process.returncode != 0:
         raise AssertionError(f"train.py exited {process.returncode}:\n{process.stderr[-3000:]}")
     return process
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
