@@ -3,15 +3,19 @@
 Generates VOC-layout 500x375 JPEG + palette-PNG pairs (synthetic shapes) in a temporary folder, then
 times, interleaved over several rounds (one pass over all pairs per variant per round):
   decode_only   cv2 JPEG decode (RGB) + PIL palette-PNG decode (indices)
-  train         VOCSegmentation with the training pipeline (scale 0.5-2.0, pad, 513 crop, flip) -> uint8 tensors
-  train_photo   the same plus photometric jitter / blur
+  train         VOCSegmentation with the trainer's pipeline (scale 0.5-2.0, pad, 513 crop, flip) -> uint8 image
+                and uint8 mask tensors (the trainer's loader keeps masks uint8 until the device: syncseg.engine.build)
+  train_int64   the same with int64 masks, what a dataset gives by default (a user's own loop)
+  train_batch / train_int64_batch   train / train_int64 plus the loader's collation of batches of 8 with
+                its mask-value check (syncseg.engine.samplers.MaskCheckingCollate): a worker's whole work
+  train_photo   the trainer's pipeline plus photometric jitter / blur
   pil_mask / cv2_mask    mask decoders alone (PIL keeps palette indices; cv2 needs an 'L' PNG)
   synthetic_96  generating one 96x96 synthetic-shapes sample (the demo's data; target well under 2 ms)
 Reports median ms/image, images/s and the median of per-round ratios to decode_only, beside the A/A
 control decode_only_copy / decode_only (a verdict needs it within 1.02; benchmarks/common.py).
 Target (issue 5): train <= 2.0x decode_only.
 
-    python -m benchmarks.bench_data [--images 32] [--rounds 42] [--crop 513] [--output PATH]
+    python -m benchmarks.bench_data [--images 32] [--rounds 40] [--crop 513] [--output PATH]
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from benchmarks.common import write_record
 from syncseg.data.base import palette_image, read_image, read_index_mask
 from syncseg.data.synthetic import SyntheticShapes, render_shapes
 from syncseg.data.transforms import PairTransform, build_train_augmentation
+from syncseg.engine.samplers import MaskCheckingCollate
 from syncseg.data.voc import VOC_PALETTE, VOCSegmentation
 
 
@@ -56,8 +61,8 @@ def make_pairs(root: Path, count: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=32, help="number of generated 500x375 image/mask pairs")
-    parser.add_argument("--rounds", type=int, default=42,
-                        help="interleaved rounds, one pass per variant each (14 make one balanced cycle)")
+    parser.add_argument("--rounds", type=int, default=40,
+                        help="interleaved rounds, one pass per variant each (10 make one balanced cycle)")
     parser.add_argument("--crop", type=int, default=513, help="training crop size of the pipeline, pixels")
     parser.add_argument("--threads", type=int, default=1, help="cv2 / torch threads (a DataLoader worker uses 1)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/bench_data.json)")
@@ -72,10 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         jpgs = [root / "JPEGImages" / f"{n}.jpg" for n in names]
         pngs = [root / "SegmentationClass" / f"{n}.png" for n in names]
         l_pngs = [root / "MasksL" / f"{n}.png" for n in names]
-        train = VOCSegmentation(root, "train", transform=PairTransform(
-            build_train_augmentation(args.crop, (0.5, 2.0), hflip=True), random=True))
+        train, train_int64 = (VOCSegmentation(root, "train", transform=PairTransform(
+            build_train_augmentation(args.crop, (0.5, 2.0), hflip=True), random=True, compact_masks=compact))
+            for compact in (True, False))
         photo = VOCSegmentation(root, "train", transform=PairTransform(
-            build_train_augmentation(args.crop, (0.5, 2.0), hflip=True, photometric=True), random=True))
+            build_train_augmentation(args.crop, (0.5, 2.0), hflip=True, photometric=True), random=True,
+            compact_masks=True))
+        collate = MaskCheckingCollate(num_classes=21, ignore_index=255)
+
+        def batches(dataset):
+            samples = [dataset[i] for i in range(len(dataset))]
+            return [collate(samples[start:start + 8]) for start in range(0, len(samples), 8)]
 
         def decode_only():
             for jpg, png in zip(jpgs, pngs):
@@ -87,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             "decode_only": decode_only,
             "decode_only_copy": decode_only,
             "train": lambda: [train[i] for i in range(len(train))],
+            "train_int64": lambda: [train_int64[i] for i in range(len(train_int64))],
+            "train_batch": lambda: batches(train),
+            "train_int64_batch": lambda: batches(train_int64),
             "train_photo": lambda: [photo[i] for i in range(len(photo))],
             "pil_mask": lambda: [read_index_mask(p) for p in pngs],
             "cv2_mask": lambda: [cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in l_pngs],
@@ -106,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         })
     print(f"{args.images} pairs of 500x375 JPEG + palette PNG, crop {args.crop}, scale 0.5-2.0, "
           f"{args.rounds} interleaved rounds, {args.threads} thread(s); medians")
-    print(f"{'variant':<13} {'ms/image':>9} {'images/s':>9} {'x decode':>9}")
+    print(f"{'variant':<17} {'ms/image':>9} {'images/s':>9} {'x decode':>9}")
     for row in rows:
-        print(f"{row['variant']:<13} {row['ms_per_image']:>9.2f} {row['images_per_s']:>9.1f} "
+        print(f"{row['variant']:<17} {row['ms_per_image']:>9.2f} {row['images_per_s']:>9.1f} "
               f"{row['ratio_to_decode_only']:>9.2f}")
     targets = [judge("data train/decode_only", paired(times["train"], times["decode_only"]), target=2.0,
                      control=paired(times["decode_only_copy"], times["decode_only"]))]

@@ -77,12 +77,15 @@ def dataset_kind(name: str) -> DatasetKind:
     return DATASET_KINDS.get(name)
 
 
-def build_dataset(data_cfg: Any, split: str, *, train: bool) -> Any:
+def build_dataset(data_cfg: Any, split: str, *, train: bool, compact_masks: bool = False) -> Any:
     """The dataset named by a validated `data` config section for `split`, with the train (train=True)
-    or eval pipeline. Raises FileNotFoundError naming the missing path and the expected layout."""
+    or eval pipeline. Raises FileNotFoundError naming the missing path and the expected layout.
+    `compact_masks` (training pipeline): uint8 masks stay uint8 tensors (syncseg.data.transforms.to_tensors);
+    the default gives int64 masks, what cross_entropy takes."""
     from syncseg.data.transforms import build_eval_transform, build_train_transform
 
-    transform = build_train_transform(data_cfg) if train else build_eval_transform(data_cfg)
+    transform = (build_train_transform(data_cfg, compact_masks=compact_masks) if train
+                 else build_eval_transform(data_cfg))
     return dataset_kind(data_cfg.dataset).builder()(data_cfg, split, transform)
 
 

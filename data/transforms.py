@@ -71,7 +71,10 @@ class RandomScaleCrop(DualTransform):
         return {"scale": scale, "top": top, "left": left, "scaled_shape": (scaled_height, scaled_width)}
 
     def _apply(self, array: np.ndarray, scale: float, top: int, left: int, scaled_shape: tuple[int, int],
-               interpolation: int, fill: float) -> np.ndarray:
+               interpolation: int, fill: float, flip: bool = False, view: bool = False) -> np.ndarray:
+        """The crop of `array`; `flip` mirrors it left-right in the same pass (PairTransform folds a
+        HorizontalFlip that follows into this step); `view` may return a view into the resized window
+        when the source fills the whole crop (no copy: PairTransform's own path, whose next consumer copies)."""
         height, width = array.shape[:2]
         crop_height, crop_width = self.crop_size
         visible_h = min(crop_height, scaled_shape[0] - top)
@@ -89,23 +92,30 @@ class RandomScaleCrop(DualTransform):
         piece_h, piece_w = piece.shape[:2]
         if piece_h == 0 or piece_w == 0:  # rounding at a tiny scale left nothing of the source in view
             return np.full((crop_height, crop_width) + array.shape[2:], fill, dtype=array.dtype)
-        # every pixel is written once: the piece, the edge sliver rounding may leave, then the padding
+        if (piece_h, piece_w) == (crop_height, crop_width) and view and not flip:
+            return piece  # the source fills the crop: nothing to pad, nothing to move
         out = np.empty((crop_height, crop_width) + array.shape[2:], dtype=array.dtype)
+        if (piece_h, piece_w) == (crop_height, crop_width):
+            if flip:
+                return cv2.flip(piece, 1, dst=out)
+            out[:] = piece
+            return out
+        # every pixel is written once: the piece, the edge sliver rounding may leave, then the padding
         out[:piece_h, :piece_w] = piece
         if (piece_h, piece_w) != (visible_h, visible_w):  # rounding left a sliver: repeat the edge
             out[piece_h:visible_h, :piece_w] = out[piece_h - 1, :piece_w]  # piece_h, piece_w >= 1 here
             out[:visible_h, piece_w:visible_w] = out[:visible_h, piece_w - 1, None]
         out[visible_h:] = fill
         out[:visible_h, visible_w:] = fill
-        return out
+        return cv2.flip(out, 1, dst=out) if flip else out  # in place, while the crop is in cache
 
     def apply(self, img: np.ndarray, **params: Any) -> np.ndarray:
         return self._apply(img, params["scale"], params["top"], params["left"], params["scaled_shape"],
-                           cv2.INTER_LINEAR, self.fill)
+                           cv2.INTER_LINEAR, self.fill, params.get("flip", False), params.get("view", False))
 
     def apply_to_mask(self, mask: np.ndarray, **params: Any) -> np.ndarray:
         return self._apply(mask, params["scale"], params["top"], params["left"], params["scaled_shape"],
-                           cv2.INTER_NEAREST, self.fill_mask)
+                           cv2.INTER_NEAREST, self.fill_mask, params.get("flip", False), params.get("view", False))
 
     def get_transform_init_args_names(self) -> tuple[str, ...]:
         return ("crop_size", "scale_range", "fill", "fill_mask")
@@ -172,7 +182,7 @@ _DIRECT_STEPS = (RandomScaleCrop, A.HorizontalFlip, A.RandomRotate90)
 
 class PairTransform:
     """Callable (image HxWxC uint8 / uint16, mask HxW uint8/int) -> (tensor CxHxW of the image's type,
-    int64 tensor HxW).
+    int64 tensor HxW; with `compact_masks`, a uint8 mask stays a uint8 tensor: see to_tensors).
 
     `augmentation` None means no geometry change (tensor conversion only). With `random`, each call draws one
     seed from torch's global generator and each step gets its own stream from it (`step_seeds`). A pipeline of
@@ -180,9 +190,10 @@ class PairTransform:
     draws and the same result as the Compose (tests/data/test_transforms.py checks it), in less time.
     """
 
-    def __init__(self, augmentation: A.Compose | None, *, random: bool) -> None:
+    def __init__(self, augmentation: A.Compose | None, *, random: bool, compact_masks: bool = False) -> None:
         self.augmentation = augmentation
         self.random = random
+        self.compact_masks = compact_masks
         self._direct = (type(augmentation) is A.Compose and augmentation.p >= 1.0
                         and all(type(step) in _DIRECT_STEPS for step in augmentation.transforms))
 
@@ -201,33 +212,50 @@ class PairTransform:
                         step.set_random_seed(seed)
                 out = augmentation(image=image, mask=mask)
                 image, mask = out["image"], out["mask"]
-        return to_tensors(image, mask)
+        return to_tensors(image, mask, compact_mask=self.compact_masks)
 
     @staticmethod
     def _run_direct(steps: Sequence[Any], seeds: list[int] | None, image: np.ndarray,
                     mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """What Compose does with these steps: per step, the probability draw (p < 1), its parameters from its
         own stream, then its own apply / apply_to_mask functions."""
-        for index, step in enumerate(steps):
-            stream = step.py_random if seeds is None else py_random_module.Random(seeds[index])
-            if step.p <= 0.0 or (step.p < 1.0 and not stream.random() < step.p):
+        streams = [step.py_random if seeds is None else py_random_module.Random(seeds[index])
+                   for index, step in enumerate(steps)]
+
+        def fires(index: int) -> bool:
+            step = steps[index]
+            return step.p > 0.0 and (step.p >= 1.0 or streams[index].random() < step.p)
+
+        index = 0
+        while index < len(steps):
+            step = steps[index]
+            if not fires(index):
+                index += 1
                 continue
             if isinstance(step, RandomScaleCrop):
-                step.py_random = stream
+                step.py_random = streams[index]
                 params = step.get_params_dependent_on_data({"shape": image.shape}, {})
+                # a flip right after the crop is written by the crop itself (its own draw, from its own stream)
+                if index + 1 < len(steps) and type(steps[index + 1]) is A.HorizontalFlip:
+                    params["flip"] = fires(index + 1)
+                    index += 1
+                params["view"] = True  # to_tensors and collation copy it once
             elif isinstance(step, A.RandomRotate90):
-                params = {"factor": stream.randint(0, 3)}
+                params = {"factor": streams[index].randint(0, 3)}
             else:
                 params = {}
             image, mask = step.apply(image, **params), step.apply_to_mask(mask, **params)
+            index += 1
         return image, mask
 
     def __repr__(self) -> str:
-        return f"PairTransform(random={self.random}, augmentation={self.augmentation!r})"
+        return (f"PairTransform(random={self.random}, compact_masks={self.compact_masks}, "
+                f"augmentation={self.augmentation!r})")
 
 
-def build_train_transform(data_cfg: Any) -> PairTransform:
-    """The training pipeline configured by a DataConfig section (crop_size, scale_range, hflip, rot90, ...)."""
+def build_train_transform(data_cfg: Any, *, compact_masks: bool = False) -> PairTransform:
+    """The training pipeline configured by a DataConfig section (crop_size, scale_range, hflip, rot90, ...);
+    `compact_masks`: uint8 masks come out as uint8 tensors (to_tensors)."""
     return PairTransform(
         build_train_augmentation(
             height_width(data_cfg.crop_size),
@@ -238,6 +266,7 @@ def build_train_transform(data_cfg: Any) -> PairTransform:
             rot90=bool(data_cfg.rot90),
         ),
         random=True,
+        compact_masks=compact_masks,
     )
 
 
@@ -250,17 +279,25 @@ _IMAGE_TYPES = (np.uint8, np.uint16)
 _BATCH_TYPES = (torch.uint8, torch.uint16)
 
 
-def to_tensors(image: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def to_tensors(image: np.ndarray, mask: np.ndarray, *, compact_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """HxWxC uint8 / uint16 -> CxHxW tensor of that type (a strided view; collation makes it contiguous),
-    mask -> int64."""
+    mask -> int64, or with `compact_mask` a uint8 mask -> uint8 (other types still int64).
+
+    The trainer's loader keeps masks compact (syncseg.engine.build): the labels fit in 8 bits (255 is the
+    ignore label), and widening them on the training device instead of in the worker saves a 2 MB write
+    per 513x513 sample, 8x the batch's shared memory and 8x its transfer. cross_entropy and everything
+    a user's own loop does with a dataset expect int64: that stays the default."""
     if image.dtype not in _IMAGE_TYPES:
         raise ValueError(f"expected a uint8 or uint16 image, got {image.dtype}")
-    image = np.ascontiguousarray(image)  # copies only for negative/odd strides
-    if not image.flags.writeable:
-        image = image.copy()
+    if not image.flags.writeable or any(stride < 0 for stride in image.strides):
+        image = image.copy()  # torch takes neither; other strided views stay views
     image_tensor = torch.from_numpy(image).permute(2, 0, 1)
-    mask_tensor = torch.from_numpy(np.asarray(mask).astype(np.int64))
-    return image_tensor, mask_tensor
+    mask = np.asarray(mask)
+    if not (compact_mask and mask.dtype == np.uint8):
+        return image_tensor, torch.from_numpy(mask.astype(np.int64))
+    if not mask.flags.writeable or any(stride < 0 for stride in mask.strides):
+        mask = mask.copy()
+    return image_tensor, torch.from_numpy(mask)
 
 
 def normalize_batch(

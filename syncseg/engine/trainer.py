@@ -188,7 +188,8 @@ class Trainer:
         """One optimizer step on train.accumulate (integer images, masks) micro-batches (syncseg.engine.accumulation);
         returns the detached loss share of this process (the sum over processes is the global batch's loss)."""
         parts, data_cfg = self.parts, self.config.data
-        micro_batches = [(images.to(self.device, non_blocking=True), masks.to(self.device, non_blocking=True))
+        # masks arrive uint8 from the training loader (syncseg.engine.build): widened here, on the device
+        micro_batches = [(images.to(self.device, non_blocking=True), masks.to(self.device, non_blocking=True).long())
                          for images, masks in micro_batches]
         normalizer = step_normalizer(parts.criterion, [masks for _, masks in micro_batches])
         self.optimizer.zero_grad(set_to_none=True)

@@ -313,6 +313,7 @@ def test_geometry_run_step_by_step_equals_albumentations_compose(rot90):
     direct, composed = PairTransform(augmentation, random=True), PairTransform(augmentation, random=True)
     composed._direct = False
     assert direct._direct
+    padded = set()
     for trial in range(60):
         height, width = (int(value) for value in rng.integers(10, 120, 2))
         channels, dtype = (1, 3, 6)[trial % 3], (np.uint8, np.uint16)[trial % 2]
@@ -323,3 +324,57 @@ def test_geometry_run_step_by_step_equals_albumentations_compose(rot90):
         torch.manual_seed(trial)
         ref_image, ref_mask = composed(image, mask)
         assert torch.equal(got_image, ref_image) and torch.equal(got_mask, ref_mask), trial
+        padded.add(bool((got_mask == 255).any()))  # the mask holds 0..20: 255 is padding
+    assert padded == {False, True}  # crops the source fills (a view, or flipped in one pass) and padded ones
+
+
+@pytest.mark.parametrize("crop", [48, (40, 56)])
+@pytest.mark.parametrize("channels", [1, 3, 6])
+def test_the_crop_flipped_in_its_own_pass_or_left_a_view_is_the_flipped_or_copied_crop(crop, channels):
+    """RandomScaleCrop writes a HorizontalFlip that follows it itself (`flip`) and may hand back a view of the
+    resized window (`view`): the same arrays as the crop flipped afterwards / copied, padded or not."""
+    from syncseg.data.transforms import RandomScaleCrop
+
+    rng = np.random.default_rng(channels)
+    image = rng.integers(0, 65535, (70, 90, channels), dtype=np.uint16)
+    mask = rng.integers(0, 21, (70, 90), dtype=np.uint8)
+    transform, cases = RandomScaleCrop(crop, (0.5, 2.0)), set()
+    for scale in (0.4, 0.7, 1.0, 1.3, 1.9):
+        crop_h, crop_w = transform.crop_size
+        scaled = (round(70 * scale), round(90 * scale))
+        for top, left in ((0, 0), (max(0, scaled[0] - crop_h), max(0, scaled[1] - crop_w))):
+            params = {"scale": scale, "top": top, "left": left, "scaled_shape": scaled}
+            plain_image, plain_mask = transform.apply(image, **params), transform.apply_to_mask(mask, **params)
+            assert plain_image.flags.c_contiguous and plain_mask.flags.c_contiguous  # Compose gets its own arrays
+            for flip in (False, True):
+                for view in (False, True):
+                    got = transform.apply(image, flip=flip, view=view, **params)
+                    got_mask = transform.apply_to_mask(mask, flip=flip, view=view, **params)
+                    want, want_mask = (plain_image[:, ::-1], plain_mask[:, ::-1]) if flip else (plain_image, plain_mask)
+                    assert got.shape == want.shape and np.array_equal(got, want), (scale, top, left, flip, view)
+                    assert np.array_equal(got_mask, want_mask), (scale, top, left, flip, view)
+            cases.add(bool((plain_mask == 255).any()))
+    assert cases == {False, True}
+
+
+def test_compact_masks_stay_uint8_with_the_same_labels_and_other_masks_widen():
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 256, (70, 90, 3), dtype=np.uint8)
+    mask = rng.integers(0, 21, (70, 90), dtype=np.uint8)
+    cfg = DataConfig(crop_size=48, scale_range=(0.5, 2.0))
+    wide, compact = build_train_transform(cfg), build_train_transform(cfg, compact_masks=True)
+    for trial in range(20):
+        torch.manual_seed(trial)
+        wide_image, wide_mask = wide(image, mask)
+        torch.manual_seed(trial)
+        compact_image, compact_mask = compact(image, mask)
+        assert wide_mask.dtype == torch.int64 and compact_mask.dtype == torch.uint8
+        assert torch.equal(compact_mask.long(), wide_mask) and torch.equal(compact_image, wide_image), trial
+    # a read-only decoded mask (Pillow's arrays are) is copied, not shared with a warning; int32 masks widen
+    frozen = mask.copy()
+    frozen.setflags(write=False)
+    untouched = PairTransform(None, random=False, compact_masks=True)
+    _, out = untouched(image, frozen)
+    assert out.dtype == torch.uint8 and torch.equal(out, torch.from_numpy(mask))
+    _, out = untouched(image, mask.astype(np.int32))
+    assert out.dtype == torch.int64 and torch.equal(out, torch.from_numpy(mask).long())

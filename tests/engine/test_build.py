@@ -132,3 +132,31 @@ def test_a_bad_mask_value_stops_training_before_the_batch_reaches_the_device(tmp
     finally:
         trainer.close()
     assert forwards == []  # refused in the loader, not by the loss after the forward
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_training_masks_travel_as_uint8_and_train_as_the_int64_masks_do(tmp_path, accumulate):
+    """The training loader keeps masks uint8 (labels fit in 8 bits) and Trainer.train_step widens them on the
+    device: the step's loss and every gradient equal those of the same batch with int64 masks, bit for bit,
+    also through the multi-micro-batch normalizer. (The public dataset default stays int64.)"""
+    config = load_config("demo.yaml", [f"output_dir={tmp_path}", *TINY, "train.amp=off", f"train.accumulate={accumulate}"])
+    trainer = Trainer.from_config(config, DistInfo(), progress=False)
+    try:
+        steps = train_steps(trainer.parts.train_loader, 0)
+        micro_batches = next(steps)
+        steps.close()
+        assert all(masks.dtype == torch.uint8 for _, masks in micro_batches)
+        assert any(bool((masks == 255).any()) for _, masks in micro_batches)  # crop padding: the ignore label
+        start = {key: value.clone() for key, value in trainer.model.state_dict().items()}
+        results = []
+        for batches in (micro_batches, [(images, masks.long()) for images, masks in micro_batches]):
+            trainer.model.load_state_dict(start)
+            torch.manual_seed(0)  # dropout draws alike
+            loss = trainer.train_step(batches)
+            results.append((float(loss), {name: p.grad.clone() for name, p in trainer.model.named_parameters()
+                                          if p.grad is not None}))
+    finally:
+        trainer.close()
+    (compact_loss, compact_grads), (wide_loss, wide_grads) = results
+    assert compact_loss == wide_loss and compact_grads.keys() == wide_grads.keys() and len(wide_grads) > 50
+    assert all(torch.equal(compact_grads[name], wide_grads[name]) for name in wide_grads)
