@@ -3,8 +3,10 @@
 Every variant is its own process started with this process's environment (the user's shell: glibc's
 allocator defaults unless the user set MALLOC_* or LD_PRELOAD; this benchmark does not re-execute itself
 with raised thresholds), on the same weights and images:
-  syncseg_fp32   python eval.py --checkpoint <generated> --amp off model.channels_last=off (the product;
-                 it keeps freed memory for reuse by itself, syncseg/engine/allocator.py)
+  syncseg_fp32   python eval.py --checkpoint <generated> --amp off (the product; it keeps freed memory for
+                 reuse by itself, syncseg/engine/allocator.py; model.channels_last=auto takes channels-last for
+                 a ResNet-50 in fp32 on a CPU: syncseg/engine/devices.py)
+  syncseg_fp32_nchw  the same in the usual layout (model.channels_last=off), for the table only
   syncseg_auto   python eval.py --checkpoint <generated>: the product's defaults (eval.amp=auto,
                  channels_last=auto: bf16 in channels-last on CPUs with native bf16, fp32 elsewhere)
   plain          benchmarks/plain_eval.py: torchvision's deeplabv3_resnet50 given the same weights, the
@@ -164,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint, weights = tmp_path / "best.pt", tmp_path / "torchvision_state.pt"
         write_weights(config, checkpoint, weights)
         variants = {
-            "syncseg_fp32": lambda out: run_product(checkpoint, out, user_env, ["--amp", "off",
-                                                                                "model.channels_last=off"]),
+            "syncseg_fp32": lambda out: run_product(checkpoint, out, user_env, ["--amp", "off"]),
+            "syncseg_fp32_nchw": lambda out: run_product(checkpoint, out, user_env, ["--amp", "off",
+                                                                                     "model.channels_last=off"]),
             "syncseg_auto": lambda out: run_product(checkpoint, out, user_env, []),
             "plain": lambda out: run_plain(config, weights, out, user_env),
             "plain_copy": lambda out: run_plain(config, weights, out, user_env),

@@ -4,7 +4,9 @@ Every variant is its own process started with this process's environment (the us
 allocator defaults unless the user set MALLOC_* or LD_PRELOAD; this benchmark does not re-execute itself
 with raised thresholds as the others do), on the same model and data:
   syncseg_fp32   python train.py --config <generated> train.amp=off (the product; it keeps freed memory
-                 for reuse by itself, syncseg/engine/allocator.py)
+                 for reuse by itself, syncseg/engine/allocator.py; model.channels_last=auto takes channels-last
+                 for a ResNet-50 in fp32 on a CPU: syncseg/engine/devices.py)
+  syncseg_fp32_nchw  the same in the usual layout (model.channels_last=off), for the table only
   syncseg_auto   the same with train.amp=auto and model.channels_last=auto (the product's defaults: bf16 in
                  channels-last on CPUs with native bf16, fp32 elsewhere)
   plain          benchmarks/plain_loop.py: torchvision's deeplabv3_resnet50, CE + 0.5 aux CE, SGD, DataLoader,
@@ -118,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         config = tmp_path / "vs_plain.yaml"
         config.write_text(CONFIG.format(crop=args.crop, iters=iters, never=10 * iters, window=args.window))
         variants = {
-            "syncseg_fp32": lambda out: run_product(config, out, user_env, ["train.amp=off", "model.channels_last=off"]),
+            "syncseg_fp32": lambda out: run_product(config, out, user_env, ["train.amp=off", "model.channels_last=auto"]),
+            "syncseg_fp32_nchw": lambda out: run_product(config, out, user_env, ["train.amp=off",
+                                                                                 "model.channels_last=off"]),
             "syncseg_auto": lambda out: run_product(config, out, user_env, ["train.amp=auto", "model.channels_last=auto"]),
             "plain": lambda out: run_plain(config, out, user_env, iters, args.window),
             "plain_copy": lambda out: run_plain(config, out, user_env, iters, args.window),

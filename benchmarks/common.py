@@ -209,10 +209,10 @@ def versus_plain(rows: Sequence[Mapping[str, float]], names: Sequence[str], labe
     then the two targets (fp32 and auto >= 1.10x plain, A/A: plain_copy / plain); returns (medians, targets)."""
     extra = extra or {}
     medians = {name: statistics.median(row[name] for row in rows) for name in names}
-    print(f"{'variant':<14} {'img/s':>7} {'x plain':>8}" + "".join(f"  {key}" for key in extra))
+    print(f"{'variant':<17} {'img/s':>7} {'x plain':>8}" + "".join(f"  {key}" for key in extra))
     for name in names:
         ratio = statistics.median(row[name] / row["plain"] for row in rows)
-        print(f"{name:<14} {medians[name]:7.3f} {ratio:8.3f}" + "".join(f"  {values[name]:.6f}" for values in extra.values()))
+        print(f"{name:<17} {medians[name]:7.3f} {ratio:8.3f}" + "".join(f"  {values[name]:.6f}" for values in extra.values()))
 
     def column(name: str) -> list[float]:
         return [row[name] for row in rows]

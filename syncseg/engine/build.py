@@ -104,7 +104,7 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
     precision = log_precision("train.amp", train_cfg.amp, device)
     apply_fp32_precision(precision, device)  # the backward runs outside autocast_for's TF32 setting
     log_precision("eval.amp", config.eval.amp, device)
-    channels_last, why = resolve_channels_last(config.model.channels_last, train_cfg.amp, device)
+    channels_last, why = resolve_channels_last(config.model.channels_last, train_cfg.amp, device, config.model.backbone)
     logger.info("model.channels_last=%s: %s (%s)", config.model.channels_last, "on" if channels_last else "off", why)
     model = build_model(config.model, len(classes), in_channels=data_cfg.in_channels, channels_last=channels_last)
     if config.model.init_checkpoint and init_weights:

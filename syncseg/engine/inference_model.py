@@ -47,7 +47,8 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
     config = inference_config(payload["config"], overrides, source=source, flags=flags)
     classes = [str(name) for name in payload["classes"]]
     # the layout training resolved on this kind of device (from train.amp), so validation numbers reproduce
-    channels_last, _ = resolve_channels_last(config.model.channels_last, config.train.amp, device)
+    channels_last, _ = resolve_channels_last(config.model.channels_last, config.train.amp, device,
+                                             config.model.backbone)
     model = build_model(config.model, len(classes), in_channels=config.data.in_channels, channels_last=channels_last)
     load_model_weights(model, payload.pop("model"), checkpoint=path,
                        saved_model_cfg=from_dict(payload["config"], source=source).model, model_cfg=config.model)

@@ -36,6 +36,19 @@ def test_auto_channels_last_follows_the_precision_that_runs(monkeypatch, device,
     assert devices.resolve_channels_last("auto", amp, device)[0] is expected
     for forced in (True, False):  # a configured layout is kept whatever runs
         assert devices.resolve_channels_last(forced, amp, device) == (forced, "as configured")
+        assert devices.resolve_channels_last(forced, amp, device, "resnet50") == (forced, "as configured")
+
+
+@pytest.mark.parametrize("backbone,expected", [("resnet50", True), ("resnet101", True), ("resnet18", False),
+                                               ("resnet34", False), ("mobilenet_v3_large", False)])
+def test_fp32_on_a_cpu_takes_channels_last_for_the_bottleneck_resnets_only(monkeypatch, backbone, expected):
+    monkeypatch.setattr(devices, "native_bf16", lambda d: False)
+    for amp in ("auto", "off", "tf32"):  # each runs as fp32 here
+        layout, why = devices.resolve_channels_last("auto", amp, CPU, backbone)
+        assert layout is expected and (backbone in why) is expected, (amp, why)
+    assert devices.resolve_channels_last("auto", "off", CUDA, backbone)[0] is False  # cuDNN's fp32: unmeasured
+    monkeypatch.setattr(devices, "native_bf16", lambda d: True)
+    assert devices.resolve_channels_last("auto", "auto", CPU, backbone) == (True, "auto: bf16 kernels want channels-last")
 
 
 def test_auto_precision_autocasts_by_capability_and_explicit_bf16_is_warned_when_emulated(monkeypatch, caplog):
