@@ -7,7 +7,6 @@ metrics.jsonl (train.log_interval=1)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.e2e.common import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS = 24
@@ -59,7 +60,7 @@ def _run(command: list[str], *, timeout: float = 300, env: dict | None = None) -
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_metrics(run_dir)
     return {r["iteration"]: r["loss"] for r in records if r["type"] == "train"}
 
 

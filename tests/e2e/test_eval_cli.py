@@ -17,6 +17,7 @@ from PIL import Image
 
 from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
 from syncseg.engine.config import load_config, to_dict
+from tests.e2e.common import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn",
@@ -265,7 +266,7 @@ def test_eval_reproduces_training_validation(tmp_path, capsys):
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_metrics(run_dir)
     validation = [r for r in records if r.get("type") == "val" and r["iteration"] == 2][-1]
     cli = _load_cli()
     output = tmp_path / "eval.json"

@@ -6,7 +6,6 @@ Slurm holds a requeued job back for two minutes; the test starts it at once (`Sl
 an operator could. Skips, with the reason in one line, where this machine cannot run Slurm."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.common import ROOT, TINY_BASE
+from tests.e2e.common import ROOT, TINY_BASE, read_metrics
 from tests.e2e.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_slurm_installed
 
 SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -150,7 +149,7 @@ def _rank_pid(cluster: SlurmCluster, rank: int) -> int:
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_metrics(run_dir)
     return {record["iteration"]: record["loss"] for record in records if record["type"] == "train"}
 
 

@@ -4,12 +4,11 @@ and a single image)."""
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 
 import pytest
 
-from tests.e2e.common import TINY_BASE
+from tests.e2e.common import TINY_BASE, read_metrics
 from tests.e2e.test_own_data import _binary_folder
 
 RUN = ["data.scale_range=1,1", "train.iters=2", "train.val_interval=2", "train.ckpt_interval=2",
@@ -42,7 +41,7 @@ def test_the_issues_config_examples_train_on_three_images_with_batch_four(folder
     code = _train("--config", str(config), *TINY_BASE, *RUN, f"data.root={folder}", *command_line,
                   f"output_dir={tmp_path / 'run'}")  # TINY_BASE's train.batch_size=4 > the 3 training images
     assert code == 0, caplog.text[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path / "run")
     assert [r["iteration"] for r in records if r["type"] == "train"] == [1, 2]
     assert [r["num_images"] for r in records if r["type"] == "val"] == [2]  # every validation image, once
     assert "3 sample(s), fewer than one global batch (train.batch_size=4): each epoch repeats it 2 times" \

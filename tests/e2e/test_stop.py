@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.common import ROOT, TINY_BASE
+from tests.e2e.common import ROOT, TINY_BASE, read_metrics
 from tests.gloo import free_port
 
 TINY = [*TINY_BASE, "data.synthetic_val_size=5", "model.channels_last=false", "train.amp=off", "train.iters=4",
@@ -91,7 +91,7 @@ def test_a_stop_during_validation_ends_it_early_and_the_resume_runs_it_first(tmp
     assert [rank["val_batches"] for rank in resumed] == [3 + 3, 2 + 2]  # iteration 2's validation, then 4's
     assert resumed[0]["reason"] == "finished" and resumed[0]["iteration"] == 4
     assert sorted(resumed[0]["losses"]) == ["3", "4"]  # exact resume itself: tests/e2e/test_cluster.py
-    validations = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    validations = read_metrics(tmp_path / "run")
     validated = [record["iteration"] for record in validations if record.get("type") == "val"]
     assert validated == [2, 4]
 
@@ -110,7 +110,7 @@ def test_a_stop_during_precise_bn_on_one_rank_ends_the_pass_at_the_same_batch_on
 
     resumed = _run(tmp_path, "resumed", resume=True, extra=extra)
     assert [rank["bn_batches"] for rank in resumed] == [30 + 30, 30 + 30] and resumed[0]["iteration"] == 4
-    validations = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    validations = read_metrics(tmp_path / "run")
     assert [record["iteration"] for record in validations if record.get("type") == "val"] == [2, 4]
 
 
