@@ -138,6 +138,23 @@ def test_weighted_terms_on_both_heads():
     assert abs(float(loss) - (head(logits) + 0.4 * head(aux))) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32])
+def test_narrow_integer_masks_give_the_int64_losses_and_normalizers(dtype):
+    """The training loader's masks are uint8 (syncseg.engine.build); a class-weight lookup indexed by a uint8
+    tensor would select by truth value instead, so every term and the step normalizer must see class indices."""
+    logits, target = _batch(5, num_classes=5)
+    weights = dict(class_weights=(0.5, 1.0, 2.0, 1.0, 3.0))
+    for settings in ({}, weights, dict(weights, ohem=True, ohem_thresh=0.7, ohem_min_kept=10)):
+        loss = _loss(("ce", 1.0), ("focal", 0.5), ("dice", 1.0), ("lovasz", 0.5), **settings)
+        wide, narrow = loss.terms({"out": logits}, target), loss.terms({"out": logits}, target.to(dtype))
+        assert wide.keys() == narrow.keys() and len(wide) == 4
+        for key, (value, weight) in wide.items():
+            assert torch.equal(narrow[key][0], value) and torch.equal(narrow[key][1], weight), (settings, key)
+        assert torch.equal(loss({"out": logits}, target.to(dtype)), loss({"out": logits}, target))
+        if not settings.get("ohem"):
+            assert torch.equal(loss.target_weight(target.to(dtype)), loss.target_weight(target))
+
+
 @pytest.mark.parametrize("name", ["focal", "dice", "lovasz"])
 def test_gradients_match_finite_differences(name):
     logits, target = _batch(5, shape=(2, 3, 4))
