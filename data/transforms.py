@@ -92,10 +92,11 @@ class RandomScaleCrop(DualTransform):
         piece_h, piece_w = piece.shape[:2]
         if piece_h == 0 or piece_w == 0:  # rounding at a tiny scale left nothing of the source in view
             return np.full((crop_height, crop_width) + array.shape[2:], fill, dtype=array.dtype)
-        if (piece_h, piece_w) == (crop_height, crop_width) and view and not flip:
-            return piece  # the source fills the crop: nothing to pad, nothing to move
+        fills_crop = (piece_h, piece_w) == (crop_height, crop_width)  # nothing to pad
+        if fills_crop and view and not flip:
+            return piece
         out = np.empty((crop_height, crop_width) + array.shape[2:], dtype=array.dtype)
-        if (piece_h, piece_w) == (crop_height, crop_width):
+        if fills_crop:
             if flip:
                 return cv2.flip(piece, 1, dst=out)
             out[:] = piece
@@ -289,15 +290,17 @@ def to_tensors(image: np.ndarray, mask: np.ndarray, *, compact_mask: bool = Fals
     a user's own loop does with a dataset expect int64: that stays the default."""
     if image.dtype not in _IMAGE_TYPES:
         raise ValueError(f"expected a uint8 or uint16 image, got {image.dtype}")
-    if not image.flags.writeable or any(stride < 0 for stride in image.strides):
-        image = image.copy()  # torch takes neither; other strided views stay views
-    image_tensor = torch.from_numpy(image).permute(2, 0, 1)
+    image_tensor = torch.from_numpy(_sharable(image)).permute(2, 0, 1)
     mask = np.asarray(mask)
     if not (compact_mask and mask.dtype == np.uint8):
         return image_tensor, torch.from_numpy(mask.astype(np.int64))
-    if not mask.flags.writeable or any(stride < 0 for stride in mask.strides):
-        mask = mask.copy()
-    return image_tensor, torch.from_numpy(mask)
+    return image_tensor, torch.from_numpy(_sharable(mask))
+
+
+def _sharable(array: np.ndarray) -> np.ndarray:
+    """`array`, or a copy where torch.from_numpy cannot share it: read-only or negative strides (np.rot90's
+    views); other strided views stay views."""
+    return array.copy() if not array.flags.writeable or any(stride < 0 for stride in array.strides) else array
 
 
 def normalize_batch(

@@ -44,12 +44,6 @@ def check_mask_values(target: torch.Tensor, *, num_classes: int, ignore_index: i
                          f"nor ignore_index={ignore_index}")
 
 
-def _class_indices(target: torch.Tensor) -> torch.Tensor:
-    """`target` as int64: what cross_entropy takes, and what indexes the class weights (a uint8 tensor used as an
-    index would select by truth value)."""
-    return target if target.dtype == torch.int64 else target.long()
-
-
 def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """numerator / denominator, 0 where nothing was counted (a batch of ignored pixels only)."""
     return torch.where(denominator > 0, numerator / denominator.clamp_min(1e-12), numerator * 0)
@@ -95,7 +89,7 @@ class SegmentationLoss(nn.Module):
         """term name -> (loss sum, local normalizer) for logits N x C x H x W (any float dtype) and target N x H x W
         (any integer type: the training loader's masks are uint8)."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> float32; float64 stays
-        target = _class_indices(target)
+        target = target.long()  # class indices: a uint8 index tensor would select by truth value
         num_classes = logits.shape[1]
         weights = self.class_weights
         if weights is not None:
@@ -154,7 +148,7 @@ class SegmentationLoss(nn.Module):
         class-weighted) and the number of images with a valid pixel."""
         if self.ohem:  # so the config refuses OHEM with accumulation (syncseg.engine.config.schema.validate)
             raise RuntimeError("SegmentationLoss.target_weight: with OHEM the weights depend on the logits")
-        target = _class_indices(target)
+        target = target.long()  # class indices: a uint8 index tensor would select by truth value
         valid = target != self.ignore_index
         values = {IMAGES: valid.flatten(1).any(dim=1).to(torch.float32).sum()}
         if self.class_weights is None:
