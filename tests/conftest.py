@@ -19,6 +19,11 @@ THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
 torch.set_num_threads(THREADS)
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    # Inductor's C++ compiles likewise (tests/e2e/test_compile.py, and the processes the tests start): in
+    # the process itself, not in a pool of compile workers, which on a shared core only adds their start-up
+    # (each imports torch): that test took 122 CPU-s with the default 2 threads and 110 with 1 (it runs
+    # before torch._inductor's config is imported, which reads the variable).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(THREADS))
 # train.amp/eval.amp=auto take the fp32 path on every CPU, so that no test's outcome or time depends on
 # whether the CPU has native bf16 (AVX512_BF16/AMX: about 14x faster than emulated bf16 on AVX2 alone).
 # Set in the environment, so the train.py / torchrun processes the tests start inherit it. Tests of the

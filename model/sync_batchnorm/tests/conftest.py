@@ -10,6 +10,11 @@ import torch
 import sync_batchnorm
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Inductor compiles in this process and in the spawned gloo ranks (inherited), not in a pool of compile
+# workers per process: the ranks of a compiled test already take every core of a 2-core machine, and each
+# pool's workers pay torch's import again (test_compile.py: 134 CPU-s and 83 s with the default 2 threads
+# on 2 cores, 116 CPU-s and 71 s with 1). A value in the environment is kept.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture
