@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -21,7 +20,7 @@ from syncseg.engine.loss import SegmentationLoss, build_loss
 from syncseg.engine.samplers import train_steps
 from syncseg.engine.trainer import Trainer
 from tests.float64 import trainers_in_float64
-from tests.gloo import free_port, init_gloo
+from tests.gloo import free_port, init_gloo, start_ranks
 
 # 32 px crops of 24-40 px images: the crops carry different amounts of ignore padding, so a micro-batch
 # normalized by its own pixels (instead of the step's) gives a visibly different gradient
@@ -193,7 +192,7 @@ def _steps(events: list[str]) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 def test_two_rank_ddp_all_reduces_gradients_once_per_optimizer_step_and_matches_one_process(tmp_path):
-    mp.spawn(_ddp_worker, args=(free_port(), tmp_path), nprocs=2, join=True)
+    start_ranks(_ddp_worker, (free_port(), tmp_path), 2)
     saved = torch.load(tmp_path / "ddp.pt", weights_only=True)
     steps = {accumulate: _steps(events) for accumulate, events in saved["events"].items()}
     # (forward passes, gradient all-reduces) per optimizer step; DDP may rebuild its buckets after the

@@ -300,13 +300,13 @@ def _groups_worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_four_gloo_ranks_in_groups_of_two_reduce_within_their_group(tmp_path):
     import socket
-    import torch.multiprocessing as mp
+
+    from tests.gloo import start_ranks
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context = mp.start_processes(_groups_worker, args=(port, str(tmp_path)), nprocs=4, join=False,
-                                 start_method="spawn")
+    context = start_ranks(_groups_worker, (port, str(tmp_path)), 4, join=False)
     deadline = time.monotonic() + 120
     while not context.join(timeout=0.5):
         if time.monotonic() > deadline:

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import Dataset
 
 from syncseg.engine.config import DataConfig, EvalConfig
 from syncseg.engine.evaluate import evaluate
 from syncseg.engine.samplers import build_eval_loader
+from tests.gloo import start_ranks
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -112,7 +112,7 @@ def _ddp_worker(rank, world_size, init_file, out_dir):
 @pytest.mark.slow
 def test_sharded_evaluation_equals_single_process(tmp_path):
     """5 images over 2 gloo processes (3 + 2): identical metrics, each image counted once."""
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), tmp_path), nprocs=2, join=True)
+    start_ranks(_ddp_worker, (2, str(tmp_path / "init"), tmp_path), 2)
     single = evaluate(TinySeg(), build_eval_loader(MemoryDataset(5)), num_classes=NUM_CLASSES, device="cpu",
                       data_cfg=DATA, eval_cfg=EvalConfig(), progress=False)
     for rank in range(2):

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from syncseg.engine.accumulation import step_normalizer
@@ -17,7 +16,7 @@ from syncseg.engine.config import TrainConfig
 from syncseg.engine.loss import SegmentationLoss, build_loss
 from syncseg.engine.registry import LOSS_TERMS
 from syncseg.engine.loss_terms import dice_terms, focal_terms, lovasz_terms
-from tests.gloo import free_port, init_gloo
+from tests.gloo import free_port, init_gloo, start_ranks
 
 IGNORE = 255
 
@@ -243,7 +242,7 @@ def _rank_worker(rank: int, port: int, folder: Path) -> None:
 
 @pytest.mark.slow
 def test_two_processes_with_and_without_micro_batches_give_one_big_batch(tmp_path):
-    mp.spawn(_rank_worker, args=(free_port(), tmp_path), nprocs=2, join=True)
+    start_ranks(_rank_worker, (free_port(), tmp_path), 2)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     logits, target = _batch(9, shape=(6, 5, 6))
     target[1] = IGNORE

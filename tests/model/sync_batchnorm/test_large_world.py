@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from tests.gloo import start_ranks
 
 WORLD = 16
 CHANNELS = 5
@@ -119,7 +120,7 @@ def test_sixteen_gloo_processes_equal_batchnorm_name_a_divergence_and_end_on_a_k
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     started = time.monotonic()
-    context = mp.start_processes(worker, args=(port, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
+    context = start_ranks(worker, (port, str(tmp_path)), WORLD, join=False)
     deadline = started + 240
     while any(process.is_alive() for process in context.processes):
         if time.monotonic() > deadline:
