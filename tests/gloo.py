@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch.distributed as dist
@@ -23,6 +24,7 @@ def init_gloo(rank: int, world_size: int, port: int, *, timeout_s: float = 60) -
 
 
 # What the ranks of the app's multi-process tests import before their worker runs (start_ranks).
+_SERVER_ENVIRONMENT: dict[str, str] | None = None  # os.environ when this process's forkserver started
 PRELOAD = ["torch", "torch.distributed", "torchvision", "pytest", "syncseg.model.sync_batchnorm",
            "syncseg.engine.distributed", "syncseg.engine.launch_hints"]
 
@@ -33,13 +35,24 @@ def start_method() -> str:
     engine's distributed module once per pytest worker and forks every rank from there, where "spawn" starts a
     new interpreter per rank that imports them again (~3 CPU-s a rank: test_large_world's 16 ranks took
     42 CPU-s)."""
+    global _SERVER_ENVIRONMENT
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    mp.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first forkserver process
-    return "forkserver"
+    if _SERVER_ENVIRONMENT is None:  # the server starts with the first forkserver process, right after this
+        mp.set_forkserver_preload(PRELOAD)
+        _SERVER_ENVIRONMENT = dict(os.environ)
+    # a forkserver's ranks get the environment it started with, not the caller's: where a test changed the
+    # environment since (monkeypatch.setenv), its ranks are spawned and see the change
+    return "forkserver" if dict(os.environ) == _SERVER_ENVIRONMENT else "spawn"
 
 
 def start_ranks(worker, args: tuple, nprocs: int, *, join: bool = True):
     """torch.multiprocessing.start_processes(worker, args, nprocs) with start_method(): `join=True` waits
     and raises the first rank's exception, as mp.spawn does; `join=False` returns the context."""
     return mp.start_processes(worker, args=args, nprocs=nprocs, join=join, start_method=start_method())
+
+
+def environment_worker(rank: int, name: str, out: str) -> None:
+    """A rank that writes what it sees of the environment variable `name` (tests/test_gloo.py)."""
+    with open(out, "w") as file:
+        file.write(os.environ.get(name, "<unset>"))

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import datetime
 import gc
+import os
 import socket
 import time
 from pathlib import Path
@@ -141,6 +142,7 @@ def numerics_worker(rank: int, port: int, out_dir: str) -> None:
 # What the rank processes import before their worker runs: the forkserver imports it once, and every rank is
 # a fork of it (below).
 PRELOAD = ["torch", "torch.distributed", "sync_batchnorm", "gloo_workers", "compile_workers"]
+_SERVER_ENVIRONMENT: dict[str, str] | None = None  # os.environ when this process's forkserver started
 
 
 def start_method() -> str:
@@ -149,10 +151,14 @@ def start_method() -> str:
     and this package once per test session and forks every rank from there, where "spawn" starts a new
     interpreter that imports them again for each rank: on a 2-core machine ~2.5 CPU-s a rank, ~40 ranks in
     this suite."""
+    global _SERVER_ENVIRONMENT
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    mp.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first forkserver process
-    return "forkserver"
+    if _SERVER_ENVIRONMENT is None:  # the server starts with the first forkserver process, right after this
+        mp.set_forkserver_preload(PRELOAD)
+        _SERVER_ENVIRONMENT = dict(os.environ)
+    # a forkserver's ranks get the environment it started with: after a change to it, spawn
+    return "forkserver" if dict(os.environ) == _SERVER_ENVIRONMENT else "spawn"
 
 
 def run_ranks(worker, out_dir: Path, *, world_size: int = WORLD_SIZE, args: tuple = (),
