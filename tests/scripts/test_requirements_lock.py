@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -14,7 +15,11 @@ from scripts import requirements_lock as lock_module
 
 
 def _installed() -> dict[str, str]:
-    return {lock_module.canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    """The distributions installed in this venv's site-packages: not the whole sys.path, where setuptools,
+    once imported, appends its _vendor folder (which holds another packaging's dist-info)."""
+    folders = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {lock_module.canonical(d.metadata["Name"]): d.version
+            for d in importlib.metadata.distributions(path=folders)}
 
 
 def test_the_committed_lock_pins_every_requirement_and_is_what_this_venv_holds():
