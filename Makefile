@@ -8,9 +8,10 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# The pinned requirements' whole closure (requirements-lock.txt) in 2 concurrent pip processes; where the lock
-# does not apply (another Python or platform, a stale lock), pip's resolver on requirements-test.txt
-# (scripts/requirements_lock.py says when and why).
+# The pinned requirements' whole closure (requirements-lock.txt) installed by uv (pinned; pip puts it in
+# $(VENV)/uv), which unpacks on every core and caches the unpacked wheels (~/.cache/uv); without uv, in 2
+# concurrent pip processes; where the lock does not apply (another Python or platform, a stale lock), pip's
+# resolver on requirements-test.txt (scripts/requirements_lock.py says when and why).
 $(STAMP): requirements.txt requirements-test.txt requirements-lock.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/requirements_lock.py install

@@ -1,6 +1,7 @@
 """requirements-lock.txt and scripts/requirements_lock.py, which `make venv` installs it with: the lock is the
-closure this venv holds, it goes stale visibly, its parts are disjoint and balanced, the parts install at
-the same time, and every case where the lock does not apply falls back to pip's resolver, saying why."""
+closure this venv holds, it goes stale visibly, uv gets it with pip's package sources, without uv its parts
+(disjoint and balanced) install in pips at the same time, and every case where the lock does not apply falls
+back to pip's resolver, saying why."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -113,8 +114,10 @@ def test_a_failed_part_reports_its_output(tmp_path, capsys):
 def recorded(monkeypatch, tmp_path):
     """install() with its pip calls recorded: the resolving install's reason, the parallel install's parts,
     and `pip check` answered by a fake."""
-    calls: dict[str, list] = {"resolving": [], "parallel": [], "check": []}
+    calls: dict[str, list] = {"resolving": [], "uv": [], "parallel": [], "check": []}
     monkeypatch.setattr(lock_module, "resolving_install", lambda python, reason: calls["resolving"].append(reason) or 0)
+    monkeypatch.setattr(lock_module, "uv_install",
+                        lambda python, pins: calls["uv"].append(pins) or calls.get("uv_status", 0))
     monkeypatch.setattr(lock_module, "parallel_install",
                         lambda python, groups: calls["parallel"].append(groups) or calls.get("parallel_status", 0))
 
@@ -133,11 +136,96 @@ def _write_lock(path: Path, environment: str, torch_version: str = "2.14.1") -> 
     path.write_text(f"# environment: {environment}\ntorch=={torch_version}  # 554.6 MB\nnumpy==2.4.6\n")
 
 
-def test_install_uses_the_lock_where_it_applies(recorded):
+def test_install_gives_the_lock_to_uv_where_it_applies(recorded):
     _write_lock(lock_module.LOCK, lock_module.environment())
     assert lock_module.install("py", 2) == 0
-    assert recorded["resolving"] == [] and recorded["parallel"] == [[["torch==2.14.1"], ["numpy==2.4.6"]]]
+    assert recorded["uv"] == [["torch==2.14.1", "numpy==2.4.6"]]
+    assert recorded["resolving"] == [] and recorded["parallel"] == []
     assert recorded["check"] == [["py", "-m", "pip", "--disable-pip-version-check", "check"]]
+
+
+def test_without_uv_the_lock_goes_to_parallel_pips_and_says_so(recorded, capsys):
+    _write_lock(lock_module.LOCK, lock_module.environment())
+    recorded["uv_status"] = 1
+    assert lock_module.install("py", 2) == 0
+    assert recorded["parallel"] == [[["torch==2.14.1"], ["numpy==2.4.6"]]] and recorded["resolving"] == []
+    assert "installing requirements-lock.txt in 2 pip processes instead" in capsys.readouterr().out
+    assert len(recorded["check"]) == 1
+
+
+def test_pips_sources_become_uvs_options(tmp_path):
+    """Every source pip is configured with (files and PIP_* variables, the variables winning), and nothing
+    else: uv reads no configuration of its own."""
+    listing = tmp_path / "listing.txt"
+    listing.write_text("global.index-url='https://mirror.example/simple'\n"
+                       "global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'\n"
+                       "global.find-links='/opt/wheels'\n"
+                       "global.constraint='/etc/xdg/pip/constraints.txt'\n"
+                       "global.cert='/etc/ssl/custom.pem'\n"
+                       ":env:.find-links='/srv/wheels'\n"
+                       "user.no-index='false'\n")
+    python = _fake_python(tmp_path, f"cat {listing}")
+    options, environment = lock_module.pip_sources(python)
+    assert options == ["--index-url", "https://mirror.example/simple", "--extra-index-url", "file:///opt/pypi/simple",
+                       "--extra-index-url", "file:///opt/pypi-more/simple", "--find-links", "/srv/wheels"]
+    assert "config list" in (tmp_path / "calls").read_text()
+    expected = {} if "SSL_CERT_FILE" in lock_module.os.environ else {"SSL_CERT_FILE": "/etc/ssl/custom.pem"}
+    assert environment == expected
+    listing.write_text("global.no-index='true'\n")
+    assert lock_module.pip_sources(python)[0] == ["--no-index"]
+
+
+def _fake_venv_python(tmp_path: Path, body: str) -> Path:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    python = venv / "bin" / "python"
+    Path(_fake_python(tmp_path, body)).rename(python)
+    return python
+
+
+def test_uv_is_installed_into_the_venv_and_installs_the_pins_without_resolving(tmp_path):
+    # the fake venv python's `pip install --target F uv==...` puts into F/bin a fake uv that records its call
+    fake_uv = tmp_path / "fake_uv"
+    fake_uv.write_text(f"""#!/bin/bash
+echo "$@" > {tmp_path}/uv_call
+for argument in "$@"; do [ -f "$argument" ] && cp "$argument" {tmp_path}/uv_pins; done
+exit 0
+""")
+    body = f"""case "$*" in
+  *"config list"*) echo "global.find-links='/opt/wheels'" ;;
+  *"--target"*) target=$(echo "$*" | sed 's/.*--target \\([^ ]*\\).*/\\1/'); mkdir -p $target/bin
+                cp {fake_uv} $target/bin/uv; chmod +x $target/bin/uv ;;
+esac"""
+    python = _fake_venv_python(tmp_path, body)
+    assert lock_module.uv_install(str(python), ["torch==2.14.1", "numpy==2.4.6"]) == 0
+    assert (python.parent.parent / lock_module.UV_FOLDER / "bin" / "uv").is_file()  # in the venv, not site-packages
+    assert f"--no-deps --target {python.parent.parent / lock_module.UV_FOLDER} {lock_module.UV}" in \
+        (tmp_path / "calls").read_text()
+    call = (tmp_path / "uv_call").read_text().split()
+    assert call[:2] == ["pip", "install"] and call[call.index("--python") + 1] == str(python)
+    for option in ("--no-config", "--no-deps", "--compile-bytecode"):
+        assert option in call, option
+    assert call[call.index("--find-links") + 1] == "/opt/wheels"
+    assert (tmp_path / "uv_pins").read_text().split() == ["torch==2.14.1", "numpy==2.4.6"]
+    # installed once: the next install uses it
+    (tmp_path / "calls").write_text("")
+    assert lock_module.uv_install(str(python), ["numpy==2.4.6"]) == 0
+    assert "--target" not in (tmp_path / "calls").read_text()
+
+
+def test_uv_that_cannot_be_had_or_fails_says_why(tmp_path, capsys):
+    python = _fake_venv_python(tmp_path, 'echo "WARNING: Location x is ignored"; echo "ERROR: no network"; exit 1')
+    assert lock_module.uv_install(str(python), ["torch==2.14.1"]) == 1
+    err = capsys.readouterr().err
+    assert f"could not install {lock_module.UV} (pip exit 1)" in err and "ERROR: no network" in err
+    assert "WARNING: Location" not in err
+    uv = python.parent.parent / lock_module.UV_FOLDER / "bin" / "uv"
+    uv.parent.mkdir(parents=True)
+    uv.write_text("#!/bin/bash\necho 'error: no space left on device' >&2\nexit 2\n")
+    uv.chmod(0o755)
+    python.write_text("#!/bin/bash\nexit 0\n")
+    assert lock_module.uv_install(str(python), ["torch==2.14.1"]) == 2
+    assert "uv failed (exit 2):\nerror: no space left on device" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", ["other_environment", "stale", "missing", "unreadable", "parallel_failed"])
@@ -156,6 +244,7 @@ def test_install_falls_back_to_the_resolver_and_says_why(recorded, case):
         expected = "cannot use the lock: "
     else:
         _write_lock(lock_module.LOCK, lock_module.environment())
+        recorded["uv_status"] = 1
         recorded["parallel_status"] = 1
         expected = "the parallel install of requirements-lock.txt failed (exit 1)"
     assert lock_module.install("py", 2) == 0
