@@ -24,6 +24,15 @@ if WORKERS > 1:
     # (each imports torch): that test took 122 CPU-s with the default 2 threads and 110 with 1 (it runs
     # before torch._inductor's config is imported, which reads the variable).
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(THREADS))
+# The allocator setting every entry point of the product starts with (train.py, eval.py, predict.py and the Python
+# API call syncseg.engine.allocator.keep_freed_memory before their first large tensor), here from the start of
+# each pytest process rather than from whichever test first calls the API (process-wide and once: until then a
+# worker ran with glibc's defaults, after it with the memory kept). The in-process tests then run as the product
+# does: three of the heaviest in-process files took 58.7 s (70.1 CPU-s) with glibc's defaults, 51.8 s (64.2) so.
+# A user's own MALLOC_* variables or LD_PRELOAD allocator are left alone, as in the product.
+from syncseg.engine.allocator import keep_freed_memory  # noqa: E402
+
+keep_freed_memory()
 # train.amp/eval.amp=auto take the fp32 path on every CPU, so that no test's outcome or time depends on
 # whether the CPU has native bf16 (AVX512_BF16/AMX: about 14x faster than emulated bf16 on AVX2 alone).
 # Set in the environment, so the train.py / torchrun processes the tests start inherit it. Tests of the

@@ -154,6 +154,9 @@ def main(argv: list[str]) -> int:
     from syncseg.engine.trainer import Trainer
     from tests.float64 import trainers_in_float64
 
+    from syncseg.engine.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as train.py does, before the first large tensor
     output, stop_at, overrides = Path(argv[0]), int(argv[1]), argv[2:]
     info = setup_distributed(None if "WORLD_SIZE" in os.environ else "cpu")
     logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING)

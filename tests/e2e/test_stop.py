@@ -127,6 +127,9 @@ def main(argv: list[str]) -> int:
     from syncseg.engine.distributed import cleanup, setup_distributed
     from syncseg.engine.trainer import Trainer
 
+    from syncseg.engine.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as train.py does, before the first large tensor
     output, resume = Path(argv[0]), argv[1:2] == ["--resume"]
     overrides = argv[2:] if resume else argv[1:]
     info = setup_distributed(None)
