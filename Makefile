@@ -24,9 +24,9 @@ $(STAMP): requirements.txt requirements-test.txt requirements-lock.txt pyproject
 # the app's; each prints its slowest tests at the end (what to look at when the suite grows). The app's tests
 # run in TEST_WORKERS pytest-xdist processes (2: the CI machine's cores; tests/conftest.py shares the cores
 # among them), file by file, the files with slow tests first (tests/conftest.py), so that a file's module
-# fixtures run once and no long file runs alone at the end. The package's tests run in one process: most of
-# their time is multi-process compile and gloo tests that already use both cores, and two of them side by
-# side took 2x longer (152 s in all against 103-132 s).
+# fixtures run once and no long file runs alone at the end. The package's tests likewise (its conftest.py orders
+# them the same way): their ranks start from a forkserver, and beside a compiled test's ranks, whose first one
+# waits in a collective while the other still compiles, the short files fit (84-85 s against 106-112 s alone).
 TEST_WORKERS ?= 2
 # Bytecode caches (gitignored) are written even where the shell sets PYTHONDONTWRITEBYTECODE (this project's
 # machines do): otherwise every test process compiles the project's modules again and every pytest worker
@@ -37,17 +37,17 @@ test: $(STAMP) test-sbn
 	$(PY) -m pytest -q $(XDIST) --durations=25 tests
 
 # The sync_batchnorm distribution (model/sync_batchnorm/pyproject.toml) as its users get it: its wheel,
-# installed in .venv-sbn, a venv that sees torch and pytest only (linked from $(VENV) by tests/linked_venv.py
-# in a second, where installing torch again writes 4.5 GB), and its own tests (model/sync_batchnorm/tests,
+# installed in .venv-sbn, a venv that sees torch and pytest (with pytest-xdist) only (linked from $(VENV) by
+# tests/linked_venv.py in a second, where installing torch again writes 4.5 GB), and its own tests (model/sync_batchnorm/tests,
 # the original package's unchanged tests among them) against the installed package. -P: nothing of the
 # checkout on sys.path. setuptools builds in the source folder: its build/ and egg-info are removed after.
 SBN_VENV := .venv-sbn
 test-sbn: $(STAMP)
-	$(PY) -m tests.linked_venv $(SBN_VENV) torch pytest
+	$(PY) -m tests.linked_venv $(SBN_VENV) torch pytest pytest-xdist
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir $(SBN_VENV)/wheel ./model/sync_batchnorm
 	rm -rf model/sync_batchnorm/build model/sync_batchnorm/*.egg-info
 	$(PY) -m pip --python $(SBN_VENV)/bin/python install --quiet --no-index $(SBN_VENV)/wheel/sync_batchnorm-*.whl
-	$(SBN_VENV)/bin/python -P -m pytest -q --durations=10 model/sync_batchnorm/tests
+	$(SBN_VENV)/bin/python -P -m pytest -q $(XDIST) --durations=10 model/sync_batchnorm/tests
 
 # Everything but the tests marked slow.
 test-fast: $(STAMP)
