@@ -38,8 +38,8 @@ test: $(STAMP) test-sbn
 
 # The sync_batchnorm distribution (model/sync_batchnorm/pyproject.toml) as its users get it: its wheel,
 # installed in .venv-sbn, a venv that sees torch and pytest (with pytest-xdist) only (linked from $(VENV) by
-# tests/linked_venv.py in a second, where installing torch again writes 4.5 GB), and its own tests (model/sync_batchnorm/tests,
-# the original package's unchanged tests among them) against the installed package. -P: nothing of the
+# tests/linked_venv.py in a second, where installing torch again writes 4.5 GB), and its own tests
+# (model/sync_batchnorm/tests, the original package's unchanged tests among them) against the installed package. -P: nothing of the
 # checkout on sys.path. setuptools builds in the source folder: its build/ and egg-info are removed after.
 SBN_VENV := .venv-sbn
 test-sbn: $(STAMP)

@@ -149,12 +149,11 @@ def main(argv: list[str]) -> int:
 
     from torch import nn
 
+    from syncseg.engine.allocator import keep_freed_memory
     from syncseg.engine.distributed import cleanup, setup_distributed
     from syncseg.engine.run_plan import plan_run
     from syncseg.engine.trainer import Trainer
     from tests.float64 import trainers_in_float64
-
-    from syncseg.engine.allocator import keep_freed_memory
 
     keep_freed_memory()  # as train.py does, before the first large tensor
     output, stop_at, overrides = Path(argv[0]), int(argv[1]), argv[2:]

@@ -122,12 +122,11 @@ def main(argv: list[str]) -> int:
 
     import syncseg.engine.evaluate
     import syncseg.engine.precise_bn
+    from syncseg.engine.allocator import keep_freed_memory
     from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
     from syncseg.engine.config import load_config
     from syncseg.engine.distributed import cleanup, setup_distributed
     from syncseg.engine.trainer import Trainer
-
-    from syncseg.engine.allocator import keep_freed_memory
 
     keep_freed_memory()  # as train.py does, before the first large tensor
     output, resume = Path(argv[0]), argv[1:2] == ["--resume"]

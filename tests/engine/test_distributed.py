@@ -299,14 +299,9 @@ def _groups_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_four_gloo_ranks_in_groups_of_two_reduce_within_their_group(tmp_path):
-    import socket
+    from tests.gloo import free_port, start_ranks
 
-    from tests.gloo import start_ranks
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = start_ranks(_groups_worker, (port, str(tmp_path)), 4, join=False)
+    context = start_ranks(_groups_worker, (free_port(), str(tmp_path)), 4, join=False)
     deadline = time.monotonic() + 120
     while not context.join(timeout=0.5):
         if time.monotonic() > deadline:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.gloo import start_ranks
+from tests.gloo import free_port, start_ranks
 
 WORLD = 16
 CHANNELS = 5
@@ -116,9 +115,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_sixteen_gloo_processes_equal_batchnorm_name_a_divergence_and_end_on_a_killed_peer(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     started = time.monotonic()
     context = start_ranks(worker, (port, str(tmp_path)), WORLD, join=False)
     deadline = started + 240
