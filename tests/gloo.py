@@ -43,7 +43,13 @@ def start_method() -> str:
         _SERVER_ENVIRONMENT = dict(os.environ)
     # a forkserver's ranks get the environment it started with, not the caller's: where a test changed the
     # environment since (monkeypatch.setenv), its ranks are spawned and see the change
-    return "forkserver" if dict(os.environ) == _SERVER_ENVIRONMENT else "spawn"
+    return "forkserver" if _test_independent(os.environ) == _test_independent(_SERVER_ENVIRONMENT) else "spawn"
+
+
+def _test_independent(environment) -> dict[str, str]:
+    """The environment without PYTEST_CURRENT_TEST, which pytest sets to each test's name as it runs it: compared
+    with it, every test but the one that started the server spawned its ranks."""
+    return {key: value for key, value in environment.items() if key != "PYTEST_CURRENT_TEST"}
 
 
 def start_ranks(worker, args: tuple, nprocs: int, *, join: bool = True):

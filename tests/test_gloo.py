@@ -1,6 +1,10 @@
 """tests.gloo.start_ranks: ranks forked from the forkserver see the environment of the call that started them."""
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from tests import gloo
 
 
@@ -12,4 +16,15 @@ def test_ranks_see_an_environment_changed_after_the_forkserver_started(tmp_path,
     monkeypatch.setenv("SYNCSEG_TEST_GLOO_MARK", "changed")
     gloo.start_ranks(gloo.environment_worker, ("SYNCSEG_TEST_GLOO_MARK", str(tmp_path / "after.txt")), 1)
     assert (tmp_path / "after.txt").read_text() == "changed"
+    assert gloo.start_method() == "spawn"
+
+
+def test_the_forkserver_serves_every_test_not_only_the_one_that_started_it(monkeypatch):
+    """pytest sets PYTEST_CURRENT_TEST to each test's name: a server started during one test still serves the
+    next; any other change to the environment still spawns."""
+    monkeypatch.setattr(gloo, "_SERVER_ENVIRONMENT", {**os.environ, "PYTEST_CURRENT_TEST": "an earlier test (call)"})
+    if "forkserver" not in gloo.mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    assert gloo.start_method() == "forkserver"
+    monkeypatch.setenv("SYNCSEG_TEST_GLOO_MARK", "changed")
     assert gloo.start_method() == "spawn"

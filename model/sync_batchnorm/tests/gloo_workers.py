@@ -157,8 +157,14 @@ def start_method() -> str:
     if _SERVER_ENVIRONMENT is None:  # the server starts with the first forkserver process, right after this
         mp.set_forkserver_preload(PRELOAD)
         _SERVER_ENVIRONMENT = dict(os.environ)
-    # a forkserver's ranks get the environment it started with: after a change to it, spawn
-    return "forkserver" if dict(os.environ) == _SERVER_ENVIRONMENT else "spawn"
+    # a forkserver's ranks get the environment it started with: after a change to it, spawn (a change of
+    # PYTEST_CURRENT_TEST, each test's name as pytest runs it, aside: compared with it, every test but the
+    # one that started the server spawned its ranks)
+    return "forkserver" if _test_independent(os.environ) == _test_independent(_SERVER_ENVIRONMENT) else "spawn"
+
+
+def _test_independent(environment) -> dict[str, str]:
+    return {key: value for key, value in environment.items() if key != "PYTEST_CURRENT_TEST"}
 
 
 def run_ranks(worker, out_dir: Path, *, world_size: int = WORLD_SIZE, args: tuple = (),
