@@ -4,9 +4,16 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
+import time
+import traceback
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -23,10 +30,14 @@ def init_gloo(rank: int, world_size: int, port: int, *, timeout_s: float = 60) -
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-# What the ranks of the app's multi-process tests import before their worker runs (start_ranks).
+# What the ranks of the app's multi-process tests import before their worker runs (start_ranks): torch,
+# torchvision and the engine's distributed module for the layer and collective tests, the trainer (albumentations,
+# cv2) for the training ranks of run_module_ranks. A training process spends ~4.5 of its ~6.5 CPU-s importing
+# these (torch._dynamo among them: any optimizer's add_param_group imports it); the server pays it once.
 _SERVER_ENVIRONMENT: dict[str, str] | None = None  # os.environ when this process's forkserver started
 PRELOAD = ["torch", "torch.distributed", "torchvision", "pytest", "syncseg.model.sync_batchnorm",
-           "syncseg.engine.distributed", "syncseg.engine.launch_hints"]
+           "syncseg.engine.distributed", "syncseg.engine.launch_hints", "syncseg.engine.trainer",
+           "syncseg.engine.run_plan"]
 
 
 def start_method() -> str:
@@ -56,6 +67,75 @@ def start_ranks(worker, args: tuple, nprocs: int, *, join: bool = True):
     """torch.multiprocessing.start_processes(worker, args, nprocs) with start_method(): `join=True` waits
     and raises the first rank's exception, as mp.spawn does; `join=False` returns the context."""
     return mp.start_processes(worker, args=args, nprocs=nprocs, join=join, start_method=start_method())
+
+
+LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def plain_environment() -> dict[str, str]:
+    """os.environ without a launcher's variables (torchrun's, TORCHELASTIC_*, SLURM_*), one OpenMP thread."""
+    return {**{key: value for key, value in os.environ.items()
+               if not key.startswith(("TORCHELASTIC_", "SLURM_")) and key not in LAUNCHER_VARIABLES},
+            "OMP_NUM_THREADS": "1"}
+
+
+def torchrun_environment(world_size: int, port: int) -> list[dict[str, str]]:
+    """Each rank's environment as torchrun gives its workers on one host (WORLD_SIZE, RANK, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) on top of plain_environment()."""
+    return [{**plain_environment(), "WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
+             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            for rank in range(world_size)]
+
+
+def _module_rank(rank: int, main, argv: list[str], environments: list[dict[str, str]], logs: list[str],
+                 cwd: str) -> None:
+    """One rank of run_module_ranks: exactly `environments[rank]` as its environment, `cwd` as its folder, its
+    stdout and stderr (descriptors 1 and 2) in `logs[rank]`, then `main(argv)`; a non-zero return is its exit
+    status."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environments[rank])
+    log = os.open(logs[rank], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # read by OpenMP at the server's start
+    try:
+        code = main(list(argv))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code:
+        sys.exit(code)
+
+
+def run_module_ranks(main, argv: list[str], environments: list[dict[str, str]], logs: list[Path], *,
+                     cwd: Path = ROOT, timeout: float = 300) -> None:
+    """Run `main(argv)` (a function at a module's top level, such as a test file's `main` that a rank runs as
+    `python -m tests.e2e.test_x ARGV`) in len(environments) processes, rank i with exactly environments[i] as
+    its environment, its output in logs[i] and `cwd` (the repository) as its folder, as that command would. The processes fork from the forkserver
+    (start_ranks), where torch, torchvision and the trainer are imported once: a training rank started
+    as a command imports them itself (~4.5 CPU-s). Waits up to `timeout` s; a rank that fails (an exception,
+    a non-zero exit status) ends the others at once and fails the caller with its log's end."""
+    logs = [str(log) for log in logs]
+    context = start_ranks(_module_rank, (main, list(argv), environments, logs, str(cwd)), len(environments),
+                          join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, f"ranks still running after {timeout} s:\n" + "\n".join(
+                f"--- rank {rank} ({log}):\n{Path(log).read_text()[-2000:]}" for rank, log in enumerate(logs))
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+        raise AssertionError(f"rank {error.error_index} failed: {error}\n--- its log ({logs[error.error_index]}):\n"
+                             f"{Path(logs[error.error_index]).read_text()[-4000:]}") from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
 
 
 def environment_worker(rank: int, name: str, out: str) -> None:

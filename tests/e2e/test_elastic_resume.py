@@ -1,11 +1,14 @@
-"""Torchrun (gloo, CPU) training equals one process on the same global batches, and a run saved at one world
+"""Multi-process (gloo, CPU) training equals one process on the same global batches, and a run saved at one world
 size and resumed at another trains on as one process would. One float64 run of 6 iterations on one process is
-compared with a chain of torchrun launches over one run dir: 2 processes for iterations 1-2, resumed by 3
+compared with a chain of launches over one run dir: 2 processes for iterations 1-2, resumed by 3
 processes for 3-4 (2 -> 3, a world that grows), then by 2 again for 5-6 (3 -> 2, one that shrinks). The global
 batch of 8 is split 4,4 and 3,3,2 (uneven); with 24 samples an epoch is 3 steps, so the resumes land mid-epoch
 and the 3-process leg crosses an epoch boundary. (Two and three processes, not four: the 2-core CI machine pays
 every process's start-up, and a world that shrinks, grows and splits unevenly needs no more; 16 processes:
-test_large_world.)
+test_large_world.) The ranks get the variables torchrun gives its workers, without torchrun's agent, and fork
+from the forkserver with the trainer imported (tests.gloo.run_module_ranks): the claims are the ranks', and as
+torchrun launches the test took 87-101 busy core-seconds, mostly every rank's imports. torchrun itself (its
+agent, a restart after a killed worker, a resume at the same world size): tests/e2e/test_cluster.py.
 
 This is what synchronized BatchNorm buys: with `model.norm=syncbn` every step normalizes with the statistics
 of the global batch, so the losses, the final weights and the BatchNorm running statistics match the single
@@ -18,7 +21,7 @@ The comparisons run in float64 (tests/float64.py says why): the runs agree to ~1
 of a 2-process test differed by 2e-6 on one CPU and 6e-3 on another. Dropout is disabled: its masks come from
 per-process random streams and cannot match between 1 and 2 processes.
 
-Run as a module (under torchrun or alone), this file trains through the run plan, so `--resume auto` decides
+Run as a module (under torchrun or alone; the tests' ranks run its main()), this file trains through the run plan, so `--resume auto` decides
 as train.py does: `python -m tests.e2e.test_elastic_resume OUTPUT STOP_AT KEY=VALUE...` trains up to STOP_AT
 (saving last.pt there) and writes that launch's losses as JSON.
 """
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.common import ROOT, TINY_BASE, read_metrics
+from tests.e2e.common import TINY_BASE, read_metrics
+from tests.gloo import free_port, plain_environment, run_module_ranks, torchrun_environment
 
 TINY = [*TINY_BASE, "data.scale_range=0.75,1.25", "data.synthetic_val_size=6", "model.channels_last=false",
         "train.warmup_iters=1", "train.amp=off", "train.optimizer=sgd", "train.lr=0.01", "train.head_lr_mult=10",
@@ -42,28 +45,21 @@ TINY = [*TINY_BASE, "data.scale_range=0.75,1.25", "data.synthetic_val_size=6", "
 TOLERANCE = 1e-6  # float64 runs of different splits agree to ~1e-13; a float32 run would miss by ~1e-3
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 ITERS = 6
 ELASTIC = [*TINY, "model.norm=syncbn", "data.synthetic_train_size=24", "train.batch_size=8", f"train.iters={ITERS}",
            "train.val_interval=2", "train.ckpt_interval=1000"]
-TIMEOUT = 240  # seconds per launch; each takes 15-40 s on 2 shared CPU cores
+TIMEOUT = 240  # seconds per launch; each takes 2-10 s on 2 shared CPU cores
 
 
 def _launch(run_dir: Path, output: Path, *, processes: int, stop_at: int, extra: tuple[str, ...] = ()
             ) -> tuple[dict, str]:
-    arguments = ["--module", "tests.e2e.test_elastic_resume", str(output), str(stop_at), f"output_dir={run_dir}",
-                 *ELASTIC, *extra]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    command = [*launcher, *arguments] if processes > 1 else [sys.executable, "-m", *arguments[1:]]
-    process = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert process.returncode == 0, process.stderr[-4000:]
-    return json.loads(output.read_text()), process.stderr
+    """One launch: `processes` ranks as torchrun starts its workers (one process: none of its variables);
+    returns rank 0's JSON and every rank's log."""
+    argv = [str(output), str(stop_at), f"output_dir={run_dir}", *ELASTIC, *extra]
+    environments = torchrun_environment(processes, free_port()) if processes > 1 else [plain_environment()]
+    logs = [output.with_suffix(f".rank{rank}.log") for rank in range(processes)]
+    run_module_ranks(main, argv, environments, logs, timeout=TIMEOUT)
+    return json.loads(output.read_text()), "\n".join(log.read_text() for log in logs)
 
 
 def _final_model(path: Path) -> tuple[dict, dict]:
@@ -85,7 +81,7 @@ def test_a_run_saved_at_two_processes_resumed_at_three_and_back_equals_one_proce
         leg, log = _launch(run_dir, tmp_path / f"leg{index}.json", processes=processes, stop_at=stop_at)
         losses.update(leg["losses"])
         logs.append(log)
-    print(f"\nelastic resume test: {time.monotonic() - started:.0f} s for one 1-process and three torchrun launches")
+    print(f"\nelastic resume test: {time.monotonic() - started:.0f} s for one 1-process and three multi-process launches")
 
     steps = [str(step) for step in range(1, ITERS + 1)]
     assert sorted(losses, key=int) == sorted(single["losses"], key=int) == steps

@@ -2,30 +2,31 @@
 validation or a PreciseBN pass ends it at its next batch; the resume runs the validation the stop cut short.
 
 The two processes are started as torchrun starts its workers (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set), without torchrun's agent: these claims are about the ranks' per-step agreement, and the agent
-cost each of the 5 launches ~5 s and 2-3 CPU-s. A stop under torchrun itself (the whole process group
-signalled, the next launch resuming by itself) is tests/e2e/test_cluster.py's.
+MASTER_PORT set), without torchrun's agent, and forked from the forkserver with the trainer imported
+(tests.gloo.run_module_ranks): these claims are about the ranks' per-step agreement, and the agent cost each of
+the 5 launches ~5 s and 2-3 CPU-s, a rank's own imports ~4.5 CPU-s (the file: 80 busy core-s as commands,
+30 so). A stop under torchrun itself (the whole process group signalled, the next launch resuming by itself)
+and train.py's own signal handling are tests/e2e/test_cluster.py's.
 
 The signal reaches one rank only, from inside the step (or the validation batch) it is about: the other
 rank learns of it through the per-step agreement (syncseg.engine.signals), so both must end at the same iteration.
 
-Run as a module (by the tests, one process per rank), this file trains, sends SIGTERM to its own process where
-STOP_AT says (`step:K:RANK`, `val:BATCH:RANK` or `bn:BATCH:RANK`, a PreciseBN batch), and writes what each rank saw as JSON.
+Run as a module (`python -m tests.e2e.test_stop`, one process per rank; the tests' ranks run its main()), this
+file trains, sends SIGTERM to its own process where STOP_AT says (`step:K:RANK`, `val:BATCH:RANK` or
+`bn:BATCH:RANK`, a PreciseBN batch), and writes what each rank saw as JSON.
 """
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.common import ROOT, TINY_BASE, read_metrics
-from tests.gloo import free_port
+from tests.e2e.common import TINY_BASE, read_metrics
+from tests.gloo import free_port, run_module_ranks, torchrun_environment
 
 TINY = [*TINY_BASE, "data.synthetic_val_size=5", "model.channels_last=false", "train.amp=off", "train.iters=4",
         "train.warmup_iters=1", "train.ckpt_interval=100", "eval.batch_size=1"]
@@ -33,31 +34,10 @@ TINY = [*TINY_BASE, "data.synthetic_val_size=5", "model.channels_last=false", "t
 
 def _run(tmp_path: Path, name: str, *, stop_at: str = "", resume: bool = False, extra: tuple[str, ...] = ()) -> list:
     """Train with 2 gloo processes, one per rank; returns each rank's JSON."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHELASTIC_", "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", STOP_AT=stop_at, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
     output = tmp_path / f"{name}.json"
-    command = [sys.executable, "-m", "tests.e2e.test_stop", str(output), *(["--resume"] if resume else []),
-               f"output_dir={tmp_path / 'run'}", *TINY, *extra]
-    logs = [tmp_path / f"{name}.rank{rank}.log" for rank in (0, 1)]
-    ranks = []
-    try:
-        for rank, log in enumerate(logs):
-            with log.open("w") as file:  # the child keeps its own copy of the descriptor
-                ranks.append(subprocess.Popen(command, cwd=ROOT, stdout=file, stderr=subprocess.STDOUT,
-                                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
-        deadline = time.monotonic() + 300
-        # a rank that fails ends the other at once (it would wait for its peer until the timeout)
-        while any(process.poll() is None for process in ranks) and time.monotonic() < deadline and \
-                not any(process.poll() not in (None, 0) for process in ranks):
-            time.sleep(0.1)
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-    for rank, (process, log) in enumerate(zip(ranks, logs)):
-        assert process.returncode == 0, f"rank {rank} exited {process.returncode}:\n{log.read_text()[-4000:]}"
+    argv = [str(output), *(["--resume"] if resume else []), f"output_dir={tmp_path / 'run'}", *TINY, *extra]
+    environments = [{**environment, "STOP_AT": stop_at} for environment in torchrun_environment(2, free_port())]
+    run_module_ranks(main, argv, environments, [tmp_path / f"{name}.rank{rank}.log" for rank in (0, 1)])
     return [json.loads(output.with_suffix(f".{rank}.json").read_text()) for rank in (0, 1)]
 
 
