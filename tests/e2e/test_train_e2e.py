@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.e2e.common import ROOT, TINY_BASE, read_metrics
+from tests.gloo import plain_environment, run_module_ranks
 
 TINY = [*TINY_BASE, "data.scale_range=0.9,1.1", "data.synthetic_val_size=4", "model.aux_loss=false", "train.lr=0.001",
         "train.warmup_iters=2", "eval.batch_size=4"]
@@ -28,11 +29,21 @@ def _env() -> dict[str, str]:
 
 
 def run_train(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` as a command."""
     process = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=_env(),
                              capture_output=True, text=True, timeout=timeout)
     if check and process.returncode != 0:
         raise AssertionError(f"train.py exited {process.returncode}:\n{process.stderr[-3000:]}")
     return process
+
+
+def train_forked(log: Path, *args: str) -> None:
+    """What `python train.py ARGS` does, but in a process forked from the forkserver, where torch, torchvision
+    and the trainer are imported already (tests.gloo.run_module_ranks; ~4.5 CPU-s a run less); fails with
+    the end of its output (in `log`) on a non-zero exit status. The command itself: trained_run."""
+    from syncseg.commands.train import main
+
+    run_module_ranks(main, list(args), [plain_environment()], [log])
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
@@ -132,11 +143,11 @@ def test_eval_cli_on_best_checkpoint_reproduces_the_validation_miou(trained_run,
 def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
     common = ["--config", "demo.yaml", *TINY, "train.iters=8", "train.val_interval=100", "train.ckpt_interval=100"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_train(*common, f"output_dir={straight}")
-    run_train(*common, f"output_dir={split}", "--stop-at", "3")
+    train_forked(tmp_path / "straight.log", *common, f"output_dir={straight}")
+    train_forked(tmp_path / "split.log", *common, f"output_dir={split}", "--stop-at", "3")
     assert torch.load(split / "last.pt", map_location="cpu", weights_only=True)["iteration"] == 3
     # a different worker count after the resume: augmentation is seeded per sample, not per worker
-    run_train(*common, f"output_dir={split}", "--resume", "auto", "data.num_workers=1")
+    train_forked(tmp_path / "resumed.log", *common, f"output_dir={split}", "--resume", "auto", "data.num_workers=1")
 
     expected, resumed = train_losses(straight), train_losses(split)
     assert sorted(expected) == list(range(1, 9)) and sorted(resumed) == list(range(1, 9))
@@ -145,7 +156,8 @@ def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
     assert len(set(expected.values())) > 1  # losses move: the comparison is not vacuous
 
     # a larger train.iters extends the finished run
-    run_train("--config", "demo.yaml", f"output_dir={split}", "--resume", "auto", "train.iters=10")
+    train_forked(tmp_path / "extended.log", "--config", "demo.yaml", f"output_dir={split}", "--resume", "auto",
+                 "train.iters=10")
     assert torch.load(split / "last.pt", map_location="cpu", weights_only=True)["iteration"] == 10
     assert sorted(train_losses(split)) == list(range(1, 11))
 
