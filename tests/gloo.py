@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import socket
 import sys
@@ -93,6 +94,9 @@ def _module_rank(rank: int, main, argv: list[str], environments: list[dict[str, 
     stdout and stderr (descriptors 1 and 2) in `logs[rank]`, then `main(argv)`; a non-zero return is its exit
     status."""
     os.chdir(cwd)
+    # a forkserver's child inherits "forkserver" as its default start method, and its DataLoader workers would
+    # each import torch again (3 s to the first batch): the platform's default, as a new interpreter has it
+    multiprocessing.set_start_method(None, force=True)
     os.environ.clear()
     os.environ.update(environments[rank])
     log = os.open(logs[rank], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -142,3 +146,9 @@ def environment_worker(rank: int, name: str, out: str) -> None:
     """A rank that writes what it sees of the environment variable `name` (tests/test_gloo.py)."""
     with open(out, "w") as file:
         file.write(os.environ.get(name, "<unset>"))
+
+
+def start_method_main(argv: list[str]) -> int:
+    """A main for run_module_ranks that writes the multiprocessing start method it would use (tests/test_gloo.py)."""
+    Path(argv[0]).write_text(multiprocessing.get_start_method())
+    return 0

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -28,3 +30,13 @@ def test_the_forkserver_serves_every_test_not_only_the_one_that_started_it(monke
     assert gloo.start_method() == "forkserver"
     monkeypatch.setenv("SYNCSEG_TEST_GLOO_MARK", "changed")
     assert gloo.start_method() == "spawn"
+
+
+def test_a_forked_main_starts_its_own_processes_as_a_new_interpreter_would(tmp_path):
+    """run_module_ranks's ranks come from the forkserver, whose children inherit "forkserver" as their default
+    start method; a command's DataLoader workers are forked (Linux, Python 3.11), and so must the ranks' be."""
+    gloo.run_module_ranks(gloo.start_method_main, [str(tmp_path / "method.txt")], [gloo.plain_environment()],
+                          [tmp_path / "rank0.log"])
+    fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                           capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert (tmp_path / "method.txt").read_text() == fresh
