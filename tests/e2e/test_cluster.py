@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.e2e.common import read_metrics
+from tests.gloo import run_module_ranks, torchrun_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS = 24
@@ -89,14 +90,24 @@ def _no_traceback_of_ours(stderr: str) -> None:
     assert f'File "{ROOT / "syncseg"}' not in stderr, stderr[-3000:]
 
 
+def _train_forked(run_dir: Path, *overrides: str, environments: list[dict[str, str]]) -> None:
+    """train.py's main, as _train_command's command runs it, in len(environments) processes forked from the
+    forkserver (tests.gloo.run_module_ranks: torch and the trainer imported once, not ~4.5 CPU-s a process);
+    fails with a rank's log on a non-zero exit."""
+    from syncseg.commands.train import main
+
+    argv = _train_command(run_dir, *overrides)[2:]
+    run_module_ranks(main, argv, environments, [run_dir.parent / f"{run_dir.name}.rank{rank}.log"
+                                                for rank in range(len(environments))])
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[str, dict[int, float]]:
-    """Uninterrupted runs: one process with 2 DataLoader workers, and 2 torchrun processes."""
+    """Uninterrupted runs: one process with 2 DataLoader workers, and 2 processes with torchrun's variables
+    (references: the launchers themselves are the tests below)."""
     root = tmp_path_factory.mktemp("straight")
-    single = _run(_train_command(root / "single", "data.num_workers=2"))
-    assert single.returncode == 0, single.stderr[-3000:]
-    two = _run(_train_command(root / "two", "data.num_workers=1", launcher=_torchrun(2)))
-    assert two.returncode == 0, two.stderr[-3000:]
+    _train_forked(root / "single", "data.num_workers=2", environments=[_env()])
+    _train_forked(root / "two", "data.num_workers=1", environments=torchrun_environment(2, _free_port()))
     return {"single": _losses(root / "single"), "two": _losses(root / "two")}
 
 
@@ -315,11 +326,11 @@ def test_srun_tasks_without_torchrun_form_one_run(tmp_path, straight):
     run_dir = tmp_path / "run"
     slurm = {"SLURM_NTASKS": "2", "SLURM_NODELIST": "localhost", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "424242",
              "MASTER_PORT": str(_free_port())}
-    processes = [subprocess.Popen(_train_command(run_dir, "data.num_workers=1"), cwd=ROOT,
-                                  env=_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    outputs = _succeed_all(processes)
-    assert "slurm: rank 0/2" in outputs[0] and "DDP over 2 processes" in outputs[0]
+    # srun's tasks are plain processes with these variables: train.py's main forked from the forkserver
+    _train_forked(run_dir, "data.num_workers=1",
+                  environments=[_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)) for rank in range(2)])
+    output = (tmp_path / "run.rank0.log").read_text()
+    assert "slurm: rank 0/2" in output and "DDP over 2 processes" in output
     _assert_same_losses(_losses(run_dir), straight["two"], tolerance=1e-6)
 
 
