@@ -120,10 +120,11 @@ def run_module_ranks(main, argv: list[str], environments: list[dict[str, str]], 
                      cwd: Path = ROOT, timeout: float = 300) -> None:
     """Run `main(argv)` (a function at a module's top level, such as a test file's `main` that a rank runs as
     `python -m tests.e2e.test_x ARGV`) in len(environments) processes, rank i with exactly environments[i] as
-    its environment, its output in logs[i] and `cwd` (the repository) as its folder, as that command would. The processes fork from the forkserver
-    (start_ranks), where torch, torchvision and the trainer are imported once: a training rank started
-    as a command imports them itself (~4.5 CPU-s). Waits up to `timeout` s; a rank that fails (an exception,
-    a non-zero exit status) ends the others at once and fails the caller with its log's end."""
+    its environment, its output in logs[i] and `cwd` (the repository) as its folder, as that command would.
+    The processes fork from the forkserver (start_ranks), where torch, torchvision and the trainer are
+    imported once: a training rank started as a command imports them itself (~4.5 CPU-s). Waits up to
+    `timeout` s; a rank that fails (an exception, a non-zero exit status) ends the others at once and fails
+    the caller with its log's end."""
     logs = [str(log) for log in logs]
     context = start_ranks(_module_rank, (main, list(argv), environments, logs, str(cwd)), len(environments),
                           join=False)

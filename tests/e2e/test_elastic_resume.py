@@ -21,9 +21,9 @@ The comparisons run in float64 (tests/float64.py says why): the runs agree to ~1
 of a 2-process test differed by 2e-6 on one CPU and 6e-3 on another. Dropout is disabled: its masks come from
 per-process random streams and cannot match between 1 and 2 processes.
 
-Run as a module (under torchrun or alone; the tests' ranks run its main()), this file trains through the run plan, so `--resume auto` decides
-as train.py does: `python -m tests.e2e.test_elastic_resume OUTPUT STOP_AT KEY=VALUE...` trains up to STOP_AT
-(saving last.pt there) and writes that launch's losses as JSON.
+Run as a module (under torchrun or alone; the tests' ranks run its main()), this file trains through the run
+plan, so `--resume auto` decides as train.py does: `python -m tests.e2e.test_elastic_resume OUTPUT STOP_AT
+KEY=VALUE...` trains up to STOP_AT (saving last.pt there) and writes that launch's losses as JSON.
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def test_a_run_saved_at_two_processes_resumed_at_three_and_back_equals_one_proce
         leg, log = _launch(run_dir, tmp_path / f"leg{index}.json", processes=processes, stop_at=stop_at)
         losses.update(leg["losses"])
         logs.append(log)
-    print(f"\nelastic resume test: {time.monotonic() - started:.0f} s for one 1-process and three multi-process launches")
+    print(f"\nelastic resume test: {time.monotonic() - started:.0f} s for one 1-process and three multi-process "
+          "launches")
 
     steps = [str(step) for step in range(1, ITERS + 1)]
     assert sorted(losses, key=int) == sorted(single["losses"], key=int) == steps

@@ -18,6 +18,7 @@ from PIL import Image
 from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
 from syncseg.engine.config import load_config, to_dict
 from tests.e2e.common import read_metrics
+from tests.gloo import free_port, plain_environment, run_module_ranks, torchrun_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn",
@@ -283,21 +284,19 @@ def test_eval_reproduces_training_validation(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_torchrun_shards_equal_single_process(synthetic_checkpoint, tmp_path):
+def test_two_processes_shard_and_equal_single_process(synthetic_checkpoint, tmp_path):
     """2 gloo processes on 5 images (3 + 2): the same metrics as one process, each image counted and
-    saved once."""
+    saved once. The ranks get torchrun's variables and run eval's main forked from the forkserver
+    (tests.gloo.run_module_ranks: not ~4.5 CPU-s of imports a process); eval.py as a command: the tests above."""
+    from syncseg.commands.eval import main
+
     path = synthetic_checkpoint[0]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["--checkpoint", str(path), "--no-progress", "data.synthetic_val_size=5"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    result = subprocess.run([*torchrun, str(ROOT / "eval.py"), *common, "--output", str(tmp_path / "ddp.json"),
-                             "--save-predictions", str(tmp_path / "pred")],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = subprocess.run([sys.executable, str(ROOT / "eval.py"), *common, "--device", "cpu",
-                             "--output", str(tmp_path / "single.json")],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    sharded_argv = [*common, "--output", str(tmp_path / "ddp.json"), "--save-predictions", str(tmp_path / "pred")]
+    run_module_ranks(main, sharded_argv, torchrun_environment(2, free_port()),
+                     [tmp_path / "ddp.rank0.log", tmp_path / "ddp.rank1.log"], cwd=tmp_path)
+    run_module_ranks(main, [*common, "--device", "cpu", "--output", str(tmp_path / "single.json")],
+                     [plain_environment()], [tmp_path / "single.log"], cwd=tmp_path)
     sharded = json.loads((tmp_path / "ddp.json").read_text())
     single = json.loads((tmp_path / "single.json").read_text())
     assert sharded["world_size"] == 2 and sharded["num_images"] == single["num_images"] == 5
