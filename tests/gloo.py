@@ -1,4 +1,5 @@
-"""What the multi-process tests share: a free loopback port and a bounded gloo process group."""
+"""What the multi-process tests share: a free loopback port, a bounded gloo process group, and ranks forked from
+a forkserver (start_ranks; run_module_ranks for a module's main, such as a training rank's)."""
 from __future__ import annotations
 
 import datetime
@@ -8,6 +9,7 @@ import socket
 import sys
 import time
 import traceback
+from multiprocessing import forkserver
 from pathlib import Path
 
 import torch
@@ -44,23 +46,30 @@ PRELOAD = ["torch", "torch.distributed", "torchvision", "pytest", "syncseg.model
 def start_method() -> str:
     """"forkserver" where the platform has it, else "spawn". Either way each rank is a fresh process that never
     ran a test (no process group, torch's defaults), but the forkserver imports torch, torchvision and the
-    engine's distributed module once per pytest worker and forks every rank from there, where "spawn" starts a
-    new interpreter per rank that imports them again (~3 CPU-s a rank: test_large_world's 16 ranks took
-    42 CPU-s)."""
+    engine once per pytest worker and forks every rank from there, where "spawn" starts a new interpreter per
+    rank that imports them again (~3-4.5 CPU-s a rank: test_large_world's 16 ranks took 42 CPU-s)."""
     global _SERVER_ENVIRONMENT
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     if _SERVER_ENVIRONMENT is None:  # the server starts with the first forkserver process, right after this
         mp.set_forkserver_preload(PRELOAD)
         _SERVER_ENVIRONMENT = dict(os.environ)
-    # a forkserver's ranks get the environment it started with, not the caller's: where a test changed the
-    # environment since (monkeypatch.setenv), its ranks are spawned and see the change
-    return "forkserver" if _test_independent(os.environ) == _test_independent(_SERVER_ENVIRONMENT) else "spawn"
+    if _test_independent(os.environ) != _test_independent(_SERVER_ENVIRONMENT):
+        # a forkserver's ranks get the environment it started with, not the caller's: where it changed since
+        # (a test's monkeypatch.setenv; importing syncseg.data sets NO_ALBUMENTATIONS_UPDATE), the server is
+        # stopped, and the next rank starts a new one with this environment (no rank of the old one runs: every
+        # test waits for its ranks); where it cannot be stopped, the ranks are spawned
+        server = getattr(forkserver, "_forkserver", None)
+        if not callable(getattr(server, "_stop", None)):
+            return "spawn"
+        server._stop()
+        _SERVER_ENVIRONMENT = dict(os.environ)
+    return "forkserver"
 
 
 def _test_independent(environment) -> dict[str, str]:
     """The environment without PYTEST_CURRENT_TEST, which pytest sets to each test's name as it runs it: compared
-    with it, every test but the one that started the server spawned its ranks."""
+    with it, every test but the one that started the server stopped it."""
     return {key: value for key, value in environment.items() if key != "PYTEST_CURRENT_TEST"}
 
 
