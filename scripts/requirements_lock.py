@@ -8,11 +8,15 @@
 CUDA build and its nvidia-* libraries) and byte-compiling them, one wheel after the other, on one core.
 requirements-lock.txt is that closure written down once (every distribution at its version, with the size
 of its wheel where it lay on this machine's disk). `install` hands the lock to uv (`uv pip install --no-deps`,
-pinned below, installed by pip into VENV/uv: one 17 MB wheel): it unpacks and byte-compiles on every core and
-keeps the unpacked wheels in its cache (~/.cache/uv, or UV_CACHE_DIR), from which a later venv is hard links.
-It reads no uv configuration (--no-config); its package sources are pip's (`pip config list`: index-url,
-extra-index-url, find-links, no-index, cert). On the 2-core dev VM the whole `install` took 41 s with uv's cache
-empty and 19 s with it filled, against 68-80 s for the lock in two pip processes and 103 s for the resolving pip.
+pinned below, installed by pip into VENV/uv: one 17 MB wheel): it unpacks on every core and keeps the unpacked
+wheels in its cache (~/.cache/uv, or UV_CACHE_DIR), from which a later venv is hard links. It does not
+byte-compile (pip would): Python compiles each module when it is first imported and keeps the result (the
+Makefile lets it write bytecode caches), the ~2,800 files that collecting the tests imports and a few more,
+where byte-compiling every file of the venv made the install take 34 s and 59 busy core-seconds instead of
+5 s and 6 on the 2-core dev VM with uv's cache filled (collecting the tests then takes 14 more core-seconds,
+once). It reads no uv configuration (--no-config); its package sources are pip's (`pip config list`:
+index-url, extra-index-url, find-links, no-index, cert). The lock in two pip processes took 68-80 s, the
+resolving pip 103 s.
 
 Where uv cannot be installed or fails, the lock goes to PARTS concurrent `pip install --no-deps` processes
 (parts of about equal size); where the lock does not apply (another Python version or platform than the
@@ -192,7 +196,8 @@ def pip_sources(python: str) -> tuple[list[str], dict[str, str]]:
 
 def uv_install(python: str, pins: list[str]) -> int:
     """The pins into `python`'s venv with uv (no resolution: --no-deps; the version pip would take from any
-    of its sources: --index-strategy unsafe-best-match; byte-compiled as pip does). 0, or why not (printed)."""
+    of its sources: --index-strategy unsafe-best-match; not byte-compiled: see the module's docstring). 0, or why
+    not (printed)."""
     folder = Path(python).absolute().parent.parent / UV_FOLDER
     uv = folder / "bin" / "uv"
     if not uv.is_file():
@@ -208,7 +213,7 @@ def uv_install(python: str, pins: list[str]) -> int:
         listing = Path(temporary) / "pins.txt"
         listing.write_text("\n".join(pins) + "\n")
         command = [str(uv), "pip", "install", "--quiet", "--no-config", "--python", python, "--no-deps",
-                   "--compile-bytecode", "--index-strategy", "unsafe-best-match", *sources, "-r", str(listing)]
+                   "--index-strategy", "unsafe-best-match", *sources, "-r", str(listing)]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **environment})
     if done.returncode != 0:
         print(f"requirements_lock: uv failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}",
