@@ -71,9 +71,7 @@ def train(model: nn.Module, forward, rank: int) -> dict:
 
 
 def compile_worker(rank: int, port: int, out_dir: str) -> None:
-    """The graph breaks Dynamo reports for Net; the same training eager and compiled (fullgraph=True); a rank
-    taking an extra branch in a compiled model, and one calling another layer where reading the labels would
-    wait for a device (checked at the layer's next call)."""
+    """The graph breaks Dynamo reports for Net; the same training eager and compiled (fullgraph=True)."""
     _join(rank, port, 2)
     try:
         x, _ = global_batch(0)
@@ -85,6 +83,18 @@ def compile_worker(rank: int, port: int, out_dir: str) -> None:
         results["eager"] = train(model, model, rank)
         model = build()
         results["compiled"] = train(model, torch.compile(model, fullgraph=True), rank)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def divergence_worker(rank: int, port: int, out_dir: str) -> None:
+    """A rank taking an extra branch in a compiled model, and one calling another layer where reading the
+    labels would wait for a device (checked at the layer's next call)."""
+    _join(rank, port, 2)
+    try:
+        results = {}
         model = name_synchronized_layers(Branchy(extra_ranks=(1,)))
         try:
             torch.compile(model)(torch.randn(3, 4, 4, 4))
