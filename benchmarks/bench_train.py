@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def bare_steps() -> None:
             for images, masks in bare_batches:
-                images, masks = images.to(device), masks.to(device)
+                # the training loader's masks are uint8 until the device (build_dataset's compact_masks): widened
+                # there, as Trainer.train_step does
+                images, masks = images.to(device), masks.to(device).long()
                 inputs = normalize_batch(images, data_cfg.mean, data_cfg.std)
                 if trainer.model.channels_last:  # as the trainer resolved model.channels_last
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
