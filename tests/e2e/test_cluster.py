@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.common import read_metrics
-from tests.gloo import run_module_ranks, torchrun_environment
+from tests.e2e.common import read_metrics, train_forked
+from tests.gloo import torchrun_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS = 24
@@ -91,14 +91,8 @@ def _no_traceback_of_ours(stderr: str) -> None:
 
 
 def _train_forked(run_dir: Path, *overrides: str, environments: list[dict[str, str]]) -> None:
-    """train.py's main, as _train_command's command runs it, in len(environments) processes forked from the
-    forkserver (tests.gloo.run_module_ranks: torch and the trainer imported once, not ~4.5 CPU-s a process);
-    fails with a rank's log on a non-zero exit."""
-    from syncseg.commands.train import main
-
-    argv = _train_command(run_dir, *overrides)[2:]
-    run_module_ranks(main, argv, environments, [run_dir.parent / f"{run_dir.name}.rank{rank}.log"
-                                                for rank in range(len(environments))])
+    """_train_command's run as train's main in forked ranks (tests.e2e.common.train_forked)."""
+    train_forked(run_dir, _train_command(run_dir, *overrides)[2:], environments)
 
 
 @pytest.fixture(scope="module")

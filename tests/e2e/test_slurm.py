@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.common import ROOT, TINY_BASE, read_metrics
+from tests.e2e.common import ROOT, TINY_BASE, read_metrics, train_forked
 from tests.e2e.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_slurm_installed
-from tests.gloo import free_port, run_module_ranks, torchrun_environment
+from tests.gloo import free_port, torchrun_environment
 
 SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
 ITERS = 12
@@ -156,14 +156,11 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def _uninterrupted(run_dir: Path) -> Path:
     """The job's run without interruptions: the batch script's srun command (its arguments, 2 ranks, one OpenMP
-    thread, the repository as the folder) as train's main in 2 processes forked from the test's forkserver, with
-    the variables a launcher gives them (tests.gloo.run_module_ranks). The reference's claim is its losses, not
-    Slurm's: as a second sbatch job its 2 tasks each paid ~5 CPU-s of imports."""
-    from syncseg.commands.train import main
-
-    logs = [run_dir.parent / f"{run_dir.name}.rank{rank}.log" for rank in range(2)]
-    run_module_ranks(main, ["--resume", "auto", "--config", "demo.yaml", f"output_dir={run_dir}", *TINY],
-                     torchrun_environment(2, free_port()), logs)
+    thread, the repository as the folder) as train's main in 2 forked ranks with the variables a launcher gives
+    them (tests.e2e.common.train_forked). The reference's claim is its losses, not Slurm's: as a second sbatch job
+    its 2 tasks each paid ~5 CPU-s of imports."""
+    train_forked(run_dir, ["--resume", "auto", "--config", "demo.yaml", f"output_dir={run_dir}", *TINY],
+                 torchrun_environment(2, free_port()))
     return run_dir
 
 

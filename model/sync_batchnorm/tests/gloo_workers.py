@@ -144,7 +144,8 @@ def numerics_worker(rank: int, port: int, out_dir: str) -> None:
 # the compiled tests' ranks otherwise each imported it, and on a fresh venv, with no bytecode written yet, four
 # ranks compiled the same modules at once (the package's tests, empty inductor cache: 89 -> 77 s and 158 -> 130
 # busy core-seconds with the venv's bytecode absent, 71.5 -> 59 s and 128 -> 103 with it).
-PRELOAD = ["torch", "torch.distributed", "torch._inductor.compile_fx", "sync_batchnorm", "gloo_workers", "compile_workers"]
+PRELOAD = ["torch", "torch.distributed", "torch._inductor.compile_fx", "sync_batchnorm", "gloo_workers",
+           "compile_workers"]
 _SERVER_ENVIRONMENT: dict[str, str] | None = None  # os.environ when this process's forkserver started
 
 
