@@ -10,10 +10,11 @@ interleaved over several rounds:
   torch_masked    the same in torch with boolean masking (what a first torch port usually looks like)
 All variants must produce the same matrix (checked). Target (issue 4): ours_int64 >= 3x numpy_bincount.
 Why the target is judged at torch's default thread count (issue 31): that is what a user's evaluation runs,
-and numpy's bincount path has no threads to use. On one thread the update is bound by memory passes over
-the two int64 tensors (16 MB each at VOC's batch: ~2-3 ms per pass on this class of machine, whatever the
-operation), and torch has no single kernel that checks ranges, narrows and adds in one pass; the one-thread
-figure (2.3-2.9x here) is printed beside it.
+and numpy's bincount path has no threads to use. The update is bound by memory passes over the two int64
+tensors (16 MB each at VOC's batch: 0.5-0.8 ms a pass on 2 threads of a 2-core AMD EPYC VM, whatever the
+operation): it reads each twice (a range check, then one add that reads both tensors' low words into an
+int32 index) and then runs torch's bincount (one thread, ~1.3 ms); torch has no single kernel that checks
+ranges, narrows and adds in one pass. The one-thread figure (2.3-2.9x) is printed beside it.
 
 Inference: syncseg.engine.inference.predict with a small DeepLabV3+ / ResNet-18, mode whole vs slide (and
 slide + flip), images/s. Target (issue 13): slide / whole <= 1.15 at equal pixels, i.e. the time per

@@ -121,14 +121,43 @@ def test_other_ignore_indices(ignore_index):
     assert np.array_equal(matrix.matrix.numpy(), reference)
 
 
-def test_many_classes_use_wide_indices():
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.uint8])
+def test_many_classes_use_wide_indices(target_dtype):
     generator = torch.Generator().manual_seed(5)
     target = torch.randint(0, 150, (2, 40, 40), generator=generator)
     target[:, :4] = 255
     pred = torch.randint(0, 150, target.shape, generator=generator)
     matrix = ConfusionMatrix(150, ignore_index=IGNORE_INDEX)
-    matrix.update(pred, target)
+    matrix.update(pred, target.to(target_dtype))  # 256 x 150 bins: past int16 whatever the target's dtype
     assert np.array_equal(matrix.matrix.numpy(), _reference_matrix(pred.numpy(), target.numpy(), 150, 255))
+
+
+def test_strided_and_offset_inputs_count_their_own_values():
+    """The int64 inputs are read through their low words: a transposed or sliced tensor must still be
+    counted by value, not by its storage."""
+    pred, target = _voc_like(6, shape=(3, 37, 41))
+    reference = _reference_matrix(pred[:, 1:].transpose(1, 2).numpy(), target[:, 1:].transpose(1, 2).numpy(), 21, 255)
+    matrix = ConfusionMatrix(21, ignore_index=IGNORE_INDEX)
+    matrix.update(pred[:, 1:].transpose(1, 2), target[:, 1:].transpose(1, 2))
+    assert np.array_equal(matrix.matrix.numpy(), reference)
+    for part in (slice(7, None), slice(3, None, 2)):  # a view that starts mid-storage; a strided flat view
+        flat = ConfusionMatrix(21, ignore_index=IGNORE_INDEX)
+        flat.update(pred.reshape(-1)[part], target.reshape(-1)[part])
+        assert np.array_equal(flat.matrix.numpy(), _reference_matrix(pred.reshape(-1)[part].numpy(),
+                                                                     target.reshape(-1)[part].numpy(), 21, 255))
+
+
+def test_values_whose_low_word_is_a_class_are_still_out_of_range():
+    """2**32 + 3 has the low 32 bits of class 3: the range checks read whole values, so it is refused."""
+    matrix = ConfusionMatrix(4, ignore_index=IGNORE_INDEX)
+    good = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="predictions"):
+        matrix.update(torch.tensor([[0, 1, 2**32 + 3], [0, 0, 0]]), good)
+    with pytest.raises(ValueError, match="outside"):
+        matrix.update(good, torch.tensor([[0, 1, 2**32 + 3], [255, 2, 3]]))
+    with pytest.raises(ValueError, match="outside"):
+        matrix.update(good, torch.tensor([[0, 1, 2**32 + 255], [255, 2, 3]]))  # nor the ignore label's
+    assert int(matrix.matrix.sum()) == 0
 
 
 def test_bad_inputs_raise():
