@@ -80,12 +80,12 @@ def dataset_kind(name: str) -> DatasetKind:
 def build_dataset(data_cfg: Any, split: str, *, train: bool, compact_masks: bool = False) -> Any:
     """The dataset named by a validated `data` config section for `split`, with the train (train=True)
     or eval pipeline. Raises FileNotFoundError naming the missing path and the expected layout.
-    `compact_masks` (training pipeline): uint8 masks stay uint8 tensors (syncseg.data.transforms.to_tensors);
-    the default gives int64 masks, what cross_entropy takes."""
+    `compact_masks` (the trainer's and eval.py's loaders): uint8 masks stay uint8 tensors
+    (syncseg.data.transforms.to_tensors); the default gives int64 masks, what cross_entropy takes."""
     from syncseg.data.transforms import build_eval_transform, build_train_transform
 
     transform = (build_train_transform(data_cfg, compact_masks=compact_masks) if train
-                 else build_eval_transform(data_cfg))
+                 else build_eval_transform(data_cfg, compact_masks=compact_masks))
     return dataset_kind(data_cfg.dataset).builder()(data_cfg, split, transform)
 
 

@@ -271,9 +271,10 @@ def build_train_transform(data_cfg: Any, *, compact_masks: bool = False) -> Pair
     )
 
 
-def build_eval_transform(data_cfg: Any) -> PairTransform:
-    """The evaluation pipeline: full image, or long side resized to data_cfg.base_size when > 0."""
-    return PairTransform(build_eval_augmentation(int(data_cfg.base_size)), random=False)
+def build_eval_transform(data_cfg: Any, *, compact_masks: bool = False) -> PairTransform:
+    """The evaluation pipeline: full image, or long side resized to data_cfg.base_size when > 0.
+    `compact_masks`: uint8 masks come out as uint8 tensors (to_tensors)."""
+    return PairTransform(build_eval_augmentation(int(data_cfg.base_size)), random=False, compact_masks=compact_masks)
 
 
 _IMAGE_TYPES = (np.uint8, np.uint16)

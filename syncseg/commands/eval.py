@@ -151,7 +151,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides, flags=_flags(args))
     config, classes = loaded.config, loaded.classes
     split = args.split or config.data.val_split
-    dataset = build_dataset(config.data, split, train=False)
+    dataset = build_dataset(config.data, split, train=False, compact_masks=True)  # uint8 masks where they fit
     check_classes(args.checkpoint, classes, dataset, config.data, split)
     loader = build_eval_loader(dataset, batch_size=config.eval.batch_size, num_workers=config.data.num_workers,
                                pin_memory=device.type == "cuda")

@@ -160,3 +160,21 @@ def test_training_masks_travel_as_uint8_and_train_as_the_int64_masks_do(tmp_path
     (compact_loss, compact_grads), (wide_loss, wide_grads) = results
     assert compact_loss == wide_loss and compact_grads.keys() == wide_grads.keys() and len(wide_grads) > 50
     assert all(torch.equal(compact_grads[name], wide_grads[name]) for name in wide_grads)
+
+
+def test_validation_masks_travel_as_uint8_and_count_as_the_int64_masks_do(tmp_path):
+    """The trainer's validation loader (and eval.py's, built the same way) keeps masks uint8; evaluate() counts
+    them on the device as they are: every metric equals that of the same batches with int64 masks."""
+    from syncseg.engine.evaluate import evaluate
+
+    parts = _parts(tmp_path)
+    batches = list(parts.val_loader)
+    assert batches and all(masks.dtype == torch.uint8 for _, masks in batches)
+    assert any(bool((masks > 0).any()) for _, masks in batches)  # not all background
+    results = []
+    for loader in (batches, [(images, masks.long()) for images, masks in batches]):
+        results.append(evaluate(parts.eval_model, loader, num_classes=len(parts.classes), device="cpu",
+                                data_cfg=parts.config.data, eval_cfg=parts.config.eval, progress=False))
+    ignore = parts.config.data.ignore_index
+    assert results[0] == results[1]
+    assert results[0]["num_pixels"] == sum(int((masks != ignore).sum()) for _, masks in batches)
