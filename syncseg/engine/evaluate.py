@@ -1,10 +1,11 @@
 """evaluate(): the one evaluation loop, used by train.py's validation and by eval.py.
 
 Its loader (syncseg.engine.samplers.build_eval_loader) yields (images N x C x H x W, uint8 or uint16, masks
-N x H x W: uint8 from the trainer's and eval.py's datasets where the labels fit, int64 otherwise); images are normalized on the device and predicted by syncseg.engine.inference.predict_batch
-(as eval.py, predict.py and the grid do), counted in one ConfusionMatrix on the device. Under
-torch.distributed each process evaluates a disjoint shard (syncseg.engine.samplers.ShardSampler, which never
-pads, unlike torch's DistributedSampler) and the matrices are summed, so every image is counted exactly once.
+N x H x W: uint8 from the trainer's and eval.py's datasets where the labels fit, int64 otherwise); images are
+normalized on the device and predicted by syncseg.engine.inference.predict_batch (as eval.py, predict.py and
+the grid do), counted in one ConfusionMatrix on the device. Under torch.distributed each process evaluates a
+disjoint shard (syncseg.engine.samplers.ShardSampler, which never pads, unlike torch's DistributedSampler) and
+the matrices are summed, so every image is counted exactly once.
 """
 from __future__ import annotations
 
@@ -52,9 +53,10 @@ def evaluate(
     processes that see different numbers of images). Under torch.distributed every process must
     call evaluate (the matrix and the image count are all-reduced). `classes` adds a "classes" entry
     naming the per-class lists. `on_batch(batch_index, predictions N x H x W int64 on the CPU,
-    masks as the loader gave them, on the CPU)` is called for every batch on every process (e.g. to save predictions). `should_stop()` is asked
-    before every batch (a stop request agreed by every process, syncseg.engine.signals): every process asks it
-    equally often, a shorter shard after its last batch too, and all end at the same batch.
+    masks as the loader gave them, on the CPU)` is called for every batch on every process (e.g. to save
+    predictions). `should_stop()` is asked before every batch (a stop request agreed by every process,
+    syncseg.engine.signals): every process asks it equally often, a shorter shard after its last batch too,
+    and all end at the same batch.
 
     Where the process autotunes cuDNN (training on CUDA), a batch is autotuned only when its size came
     before in this pass: whole images of VOC or ADE20K come in many sizes, most seen once, and timing every
