@@ -3,8 +3,10 @@ a forkserver (start_ranks; run_module_ranks for a module's main, such as a train
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import time
@@ -17,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
+STACKS_SIGNAL = signal.SIGUSR1  # a rank of run_module_ranks prints its threads' Python stacks on it
 
 
 def free_port() -> int:
@@ -112,6 +115,10 @@ def _module_rank(rank: int, main, argv: list[str], environments: list[dict[str, 
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    # SIGUSR1 prints every thread's Python stack into the log: run_module_ranks sends it to a rank and its
+    # processes (DataLoader workers, forked from the rank, keep the handler and the log) when they outlive the
+    # timeout, so a hang says where it is
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # read by OpenMP at the server's start
     try:
         code = main(list(argv))
@@ -140,8 +147,12 @@ def run_module_ranks(main, argv: list[str], environments: list[dict[str, str]], 
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=1):
-            assert time.monotonic() < deadline, f"ranks still running after {timeout} s:\n" + "\n".join(
-                f"--- rank {rank} ({log}):\n{Path(log).read_text()[-2000:]}" for rank, log in enumerate(logs))
+            if time.monotonic() >= deadline:
+                _print_stacks([process.pid for process in context.processes])
+                raise AssertionError(f"ranks still running after {timeout} s (their stacks and their workers' are at "
+                                     "their logs' ends):\n" + "\n".join(
+                                         f"--- rank {rank} ({log}):\n{Path(log).read_text()[-12000:]}"
+                                         for rank, log in enumerate(logs)))
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
         raise AssertionError(f"rank {error.error_index} failed: {error}\n--- its log ({logs[error.error_index]}):\n"
                              f"{Path(logs[error.error_index]).read_text()[-4000:]}") from None
@@ -150,6 +161,35 @@ def run_module_ranks(main, argv: list[str], environments: list[dict[str, str]], 
             if process.is_alive():
                 process.kill()
             process.join()
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process below them (children, their children, ...), read from /proc (only `pids`
+    where there is none)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone since the listing, or no /proc
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(parents.get(pid, []))
+    return found
+
+
+def _print_stacks(pids: list[int]) -> None:
+    """Ask the ranks `pids` and their processes to print their Python stacks into their logs (STACKS_SIGNAL,
+    registered by _module_rank), and give them a moment to."""
+    for pid in descendants(pids):
+        try:
+            os.kill(pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(2)
 
 
 def environment_worker(rank: int, name: str, out: str) -> None:
@@ -161,4 +201,24 @@ def environment_worker(rank: int, name: str, out: str) -> None:
 def start_method_main(argv: list[str]) -> int:
     """A main for run_module_ranks that writes the multiprocessing start method it would use (tests/test_gloo.py)."""
     Path(argv[0]).write_text(multiprocessing.get_start_method())
+    return 0
+
+
+def _hang_in_worker(parent: int) -> None:
+    while os.getppid() == parent:  # until its rank is gone, as a DataLoader worker does
+        time.sleep(0.1)
+
+
+def _hang_in_rank() -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def hanging_main(argv: list[str]) -> int:
+    """A main for run_module_ranks that never returns, with a forked worker process that waits as long
+    (tests/test_gloo.py: a timeout prints both stacks)."""
+    worker = multiprocessing.get_context("fork").Process(target=_hang_in_worker, args=(os.getpid(),), daemon=True)
+    worker.start()
+    Path(argv[0]).write_text(str(worker.pid))
+    _hang_in_rank()
     return 0

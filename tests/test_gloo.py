@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +48,25 @@ def test_a_forked_main_starts_its_own_processes_as_a_new_interpreter_would(tmp_p
     fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
                            capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert (tmp_path / "method.txt").read_text() == fresh
+
+
+def test_ranks_past_the_timeout_fail_with_their_stacks_and_their_workers(tmp_path):
+    """A hang in CI says where it is: the rank's and its forked worker's Python stacks are in the failure."""
+    with pytest.raises(AssertionError, match="still running after 3 s") as failure:
+        gloo.run_module_ranks(gloo.hanging_main, [str(tmp_path / "worker.pid")], [gloo.plain_environment()],
+                              [tmp_path / "rank0.log"], timeout=3)
+    message = str(failure.value)
+    assert "in _hang_in_rank" in message and "in hanging_main" in message, message
+    assert "in _hang_in_worker" in message, message
+    worker = Path(f"/proc/{(tmp_path / 'worker.pid').read_text()}/stat")
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:  # it sees its rank gone and exits: nothing is left
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def _alive(stat: Path) -> bool:
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
