@@ -13,18 +13,23 @@ same losses as an uninterrupted run.
 A training split smaller than one global batch (a few images of one's own) is repeated: an epoch is then
 R = ceil(batch_size / N) permutations of the N samples back to back, each drawn anew, so every step still
 sees whole batches and a split of N >= batch_size samples is ordered exactly as without the rule.
+
+Where torch.distributed is initialized, DataLoader workers start from a forkserver (worker_context), not by
+forking the training process.
 """
 from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
+from multiprocessing.context import BaseContext
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from syncseg.engine.distributed import get_rank, get_world_size
+from syncseg.engine.distributed import get_rank, get_world_size, is_dist
 from syncseg.engine.loss import check_mask_values
 from syncseg.engine.seeding import SeededDataset, mix_seed, worker_init
 
@@ -123,6 +128,36 @@ class MaskCheckingCollate:
         return batch
 
 
+# what the workers' forkserver imports once, before it forks any worker: torch and the data pipeline
+WORKER_PRELOAD = ["torch", "syncseg.data", "syncseg.engine.seeding", "syncseg.engine.samplers"]
+
+
+def worker_context(dataset: Any) -> BaseContext | None:
+    """The multiprocessing context of a DataLoader's workers: None (torch's default: fork on Linux) in a
+    process without torch.distributed, a forkserver where a process group exists.
+
+    A process group runs threads of its own (gloo's, NCCL's). Threads that are not Python's enter the
+    interpreter now and then (to free the Python object of a tensor whose last reference they held, say),
+    taking the interpreter's thread-state lock as they do, without the GIL that a fork holds. CPython 3.11
+    up to its 2024 security releases (3.11.7 here; CPython issue 112275) takes that lock in the forked child
+    before resetting it: a fork at that moment leaves the worker waiting inside os.fork forever, and its
+    process (and every peer, at the next collective) with it. Forks right after gloo collectives hung once
+    in about 1000 on a loaded 2-core machine (the child's stack: PyOS_AfterFork_Child ->
+    _PyThreadState_DeleteExcept -> PyThread_acquire_lock). A forkserver is one process without threads,
+    started by fork + exec before the first worker; every worker forks from it. The dataset is pickled to
+    each worker instead of shared copy-on-write, and the server costs one interpreter with WORKER_PRELOAD
+    and the dataset's module imported (~4 CPU-s, once per process). A script that builds the loaders at
+    its top level needs the `if __name__ == "__main__":` guard, as with any forkserver or spawn start.
+    """
+    if not is_dist() or "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    context = multiprocessing.get_context("forkserver")
+    module = type(dataset).__module__
+    preload = WORKER_PRELOAD + ([module] if module not in ("__main__", "builtins") else [])
+    context.set_forkserver_preload(preload)  # no effect once this process's server is running
+    return context
+
+
 def build_train_loader(dataset: Dataset, sampler: ResumableBatchSampler, *, num_workers: int, pin_memory: bool,
                        seed: int, num_classes: int, ignore_index: int) -> DataLoader:
     """The training DataLoader: seeded samples in `sampler`'s order, persistent workers; each batch's mask
@@ -131,6 +166,7 @@ def build_train_loader(dataset: Dataset, sampler: ResumableBatchSampler, *, num_
         SeededDataset(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         worker_init_fn=worker_init, persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
         collate_fn=MaskCheckingCollate(num_classes=num_classes, ignore_index=ignore_index),
+        multiprocessing_context=worker_context(dataset) if num_workers > 0 else None,
     )
 
 
@@ -206,7 +242,8 @@ def build_eval_loader(
     sampler = ShardSampler(len(dataset), rank=rank, world_size=world_size)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, drop_last=False, persistent_workers=False, worker_init_fn=worker_init,
-                      generator=torch.Generator().manual_seed(seed))
+                      generator=torch.Generator().manual_seed(seed),
+                      multiprocessing_context=worker_context(dataset) if num_workers > 0 else None)
 
 
 def check_batching(dataset: Any, batch_size: int, *, key: str) -> None:

@@ -8,6 +8,7 @@ of a process through a checkpoint (tensors and primitives only, so it loads with
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import signal
 from typing import Any, Mapping
@@ -77,9 +78,33 @@ def worker_init(worker_id: int) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _release_forkserver_alive_fd()
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+
+
+def _release_forkserver_alive_fd() -> None:
+    """Close this worker's copy of the pipe whose end tells a forkserver that its process is gone.
+
+    A worker started from a forkserver (syncseg.engine.samplers.worker_context) gets that pipe's write end
+    from the process that asked for it. While any copy is open the server never sees the process exit,
+    and the worker, whose parent is the server, never sees it either (torch's worker watchdog watches the
+    parent): a training process killed with SIGKILL would leave both behind for good, holding its
+    stdout and stderr. Without the worker's copy the server exits with the process, and the worker follows
+    within torch's status-check interval (5 s). A forked worker's copy (of a server its process started)
+    is closed alike: only the process itself starts workers through its server."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    descriptor = getattr(server, "_forkserver_alive_fd", None)
+    if descriptor is None:
+        return
+    try:
+        os.close(descriptor)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = None  # type: ignore[union-attr]
 
 
 def capture_rng_state() -> dict[str, Any]:

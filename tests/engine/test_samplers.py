@@ -1,6 +1,9 @@
 """Training batches, evaluation shards and the loaders built on them."""
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -10,9 +13,11 @@ from syncseg.engine.samplers import (
     ShardSampler,
     build_eval_loader,
     build_train_loader,
+    shutdown_workers,
     split_batch,
     train_batches,
 )
+from tests.gloo import free_port, init_gloo, start_ranks
 
 
 def test_sampler_shards_the_single_process_global_batches():
@@ -138,3 +143,57 @@ class _Indexed(Dataset):
 
     def __getitem__(self, key):
         return torch.tensor(key), torch.tensor(key)  # SeededDataset passes the index; (image, mask) pairs
+
+
+class _Loaded(Dataset):
+    """(index, the pid and the parent pid of the process that loaded it) pairs as (image, mask)."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, key):
+        return torch.tensor(key), torch.tensor([os.getpid(), os.getppid()])
+
+
+def _loaders(rank: int, world_size: int) -> list:
+    sampler = ResumableBatchSampler(6, global_batch=2, seed=0, rank=rank, world_size=world_size)
+    return [build_train_loader(_Loaded(), sampler, num_workers=1, pin_memory=False, seed=0,
+                               num_classes=2**31 - 1, ignore_index=255),
+            build_eval_loader(_Loaded(), num_workers=1, rank=rank, world_size=world_size)]
+
+
+def _loaded(loader) -> dict:
+    try:
+        batches = list(loader)
+    finally:
+        shutdown_workers(loader)  # persistent workers ignore SIGTERM: left alive, they would hold up the exit
+    parents = {int(parent) for _, pids in batches for parent in pids.reshape(-1, 2)[:, 1]}
+    return {"method": loader.multiprocessing_context.get_start_method() if loader.multiprocessing_context else None,
+            "indices": [batch.tolist() for batch, _ in batches], "worker_parents": sorted(parents),
+            "pid": os.getpid()}
+
+
+def _distributed_loaders(rank: int, world_size: int, port: int, out_dir) -> None:
+    init_gloo(rank, world_size, port)
+    try:
+        (out_dir / f"rank{rank}.json").write_text(json.dumps([_loaded(loader) for loader in _loaders(rank, 2)]))
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(),
+                    reason="no forkserver on this platform")
+def test_workers_of_a_distributed_process_start_from_a_forkserver_not_from_a_fork_of_it(tmp_path):
+    """A process group's threads make forking the process unsafe (syncseg.engine.samplers.worker_context):
+    there, the workers of both loaders are not children of the process, and load the same batches."""
+    start_ranks(_distributed_loaders, (2, free_port(), tmp_path), 2)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, loaders in enumerate(ranks):
+        reference = _loaders(rank, 2)  # no process group here: forked workers, as a single process has them
+        for distributed, single in zip(loaders, (_loaded(loader) for loader in reference)):
+            assert (distributed["method"], single["method"]) == ("forkserver", None)
+            assert single["worker_parents"] == [single["pid"]]  # forked from this process
+            assert distributed["pid"] not in distributed["worker_parents"]  # the forkserver's children
+            assert distributed["indices"] == single["indices"] and distributed["indices"]
