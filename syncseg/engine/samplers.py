@@ -141,8 +141,8 @@ def worker_context(dataset: Any) -> BaseContext | None:
     taking the interpreter's thread-state lock as they do, without the GIL that a fork holds. CPython 3.11
     up to its 2024 security releases (3.11.7 here; CPython issue 112275) takes that lock in the forked child
     before resetting it: a fork at that moment leaves the worker waiting inside os.fork forever, and its
-    process (and every peer, at the next collective) with it. Forks right after gloo collectives hung once
-    in about 1000 on a loaded 2-core machine (the child's stack: PyOS_AfterFork_Child ->
+    process (and every peer, at the next collective) with it. Forks right after gloo collectives hung twice
+    in about 1550 on a loaded 2-core machine (the child's stack: PyOS_AfterFork_Child ->
     _PyThreadState_DeleteExcept -> PyThread_acquire_lock). A forkserver is one process without threads,
     started by fork + exec before the first worker; every worker forks from it. The dataset is pickled to
     each worker instead of shared copy-on-write, and the server costs one interpreter with WORKER_PRELOAD
