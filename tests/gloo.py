@@ -116,8 +116,8 @@ def _module_rank(rank: int, main, argv: list[str], environments: list[dict[str, 
     os.dup2(log, 2)
     os.close(log)
     # SIGUSR1 prints every thread's Python stack into the log: run_module_ranks sends it to a rank and its
-    # processes (DataLoader workers, forked from the rank, keep the handler and the log) when they outlive the
-    # timeout, so a hang says where it is
+    # processes that catch it (DataLoader workers forked from the rank keep the handler and the log; those of a
+    # forkserver, in multi-process runs, do not) when they outlive the timeout, so a hang says where it is
     faulthandler.register(STACKS_SIGNAL, all_threads=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # read by OpenMP at the server's start
     try:
@@ -148,7 +148,7 @@ def run_module_ranks(main, argv: list[str], environments: list[dict[str, str]], 
     try:
         while not context.join(timeout=1):
             if time.monotonic() >= deadline:
-                _print_stacks([process.pid for process in context.processes])
+                _print_stacks([process.pid for process in context.processes], logs)
                 raise AssertionError(f"ranks still running after {timeout} s (their stacks and their workers' are at "
                                      "their logs' ends):\n" + "\n".join(
                                          f"--- rank {rank} ({log}):\n{Path(log).read_text()[-12000:]}"
@@ -181,15 +181,42 @@ def descendants(pids: list[int]) -> list[int]:
     return found
 
 
-def _print_stacks(pids: list[int]) -> None:
-    """Ask the ranks `pids` and their processes to print their Python stacks into their logs (STACKS_SIGNAL,
-    registered by _module_rank), and give them a moment to."""
+def _print_stacks(pids: list[int], logs: list[str]) -> None:
+    """Ask the ranks `pids` and their processes that catch STACKS_SIGNAL (registered by _module_rank; a
+    forked worker keeps it) to print their Python stacks into their `logs`, one process at a time: a rank and
+    its workers share a log, and stacks written at once would interleave line by line. Each gets up to 3 s to
+    start writing, and the logs must then stay quiet for 0.2 s."""
+    def size() -> int:
+        return sum(os.path.getsize(log) for log in logs if os.path.exists(log))
+
     for pid in descendants(pids):
+        if not _catches(pid, STACKS_SIGNAL):  # e.g. a forkserver's own process: the signal would end it
+            continue
+        before = size()
         try:
             os.kill(pid, STACKS_SIGNAL)
         except ProcessLookupError:
-            pass
-    time.sleep(2)
+            continue
+        deadline = time.monotonic() + 3
+        while size() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        quiet = size()
+        while time.monotonic() < deadline + 3:
+            time.sleep(0.2)
+            if size() == quiet:
+                break
+            quiet = size()
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its /proc status's SigCgt mask)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return False
 
 
 def environment_worker(rank: int, name: str, out: str) -> None:
