@@ -132,9 +132,9 @@ class MaskCheckingCollate:
 WORKER_PRELOAD = ["torch", "syncseg.data", "syncseg.engine.seeding", "syncseg.engine.samplers"]
 
 
-def worker_context(dataset: Any) -> BaseContext | None:
-    """The multiprocessing context of a DataLoader's workers: None (torch's default: fork on Linux) in a
-    process without torch.distributed, a forkserver where a process group exists.
+def worker_context(dataset: Any, num_workers: int) -> BaseContext | None:
+    """The multiprocessing context of a DataLoader's `num_workers` workers: None (no workers; torch's default,
+    fork on Linux, in a process without torch.distributed), a forkserver where a process group exists.
 
     A process group runs threads of its own (gloo's, NCCL's). Threads that are not Python's enter the
     interpreter now and then (to free the Python object of a tensor whose last reference they held, say),
@@ -149,7 +149,7 @@ def worker_context(dataset: Any) -> BaseContext | None:
     and the dataset's module imported (~4 CPU-s, once per process). A script that builds the loaders at
     its top level needs the `if __name__ == "__main__":` guard, as with any forkserver or spawn start.
     """
-    if not is_dist() or "forkserver" not in multiprocessing.get_all_start_methods():
+    if num_workers == 0 or not is_dist() or "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     context = multiprocessing.get_context("forkserver")
     module = type(dataset).__module__
@@ -166,7 +166,7 @@ def build_train_loader(dataset: Dataset, sampler: ResumableBatchSampler, *, num_
         SeededDataset(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         worker_init_fn=worker_init, persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed),
         collate_fn=MaskCheckingCollate(num_classes=num_classes, ignore_index=ignore_index),
-        multiprocessing_context=worker_context(dataset) if num_workers > 0 else None,
+        multiprocessing_context=worker_context(dataset, num_workers),
     )
 
 
@@ -243,7 +243,7 @@ def build_eval_loader(
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, drop_last=False, persistent_workers=False, worker_init_fn=worker_init,
                       generator=torch.Generator().manual_seed(seed),
-                      multiprocessing_context=worker_context(dataset) if num_workers > 0 else None)
+                      multiprocessing_context=worker_context(dataset, num_workers))
 
 
 def check_batching(dataset: Any, batch_size: int, *, key: str) -> None:
