@@ -16,6 +16,8 @@ middle, so upscaled crops were never flipped.
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import random as py_random_module
 from typing import Any, Sequence
@@ -324,9 +326,21 @@ def normalize_batch(
             f"normalize_batch: mean {tuple(mean)} and std {tuple(std)} must have one value per channel "
             f"({channels})"
         )
+    scale, negative_shift = _normalization_constants(tuple(map(float, mean)), tuple(map(float, std)),
+                                                     float(max_value), images.device)
+    return torch.addcmul(negative_shift, images.to(torch.float32), scale)
+
+
+@functools.lru_cache(maxsize=32)
+def _normalization_constants(mean: tuple[float, ...], std: tuple[float, ...], max_value: float,
+                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 / (max_value std), -mean / std) as float32 1 x C x 1 x 1 on `device`, computed in float64.
+
+    Cached per device and constants: made on the host, they reach a GPU by a blocking copy that drains the
+    stream, which every batch would otherwise pay twice (tests/engine/test_host_syncs.py counts them). The
+    tensors are read only (addcmul writes a new one)."""
     mean64 = torch.tensor(mean, dtype=torch.float64)
     std64 = torch.tensor(std, dtype=torch.float64)
-    # One fused multiply-add: x * (1 / (max_value std)) - mean / std, constants computed in float64.
-    scale = (1.0 / (float(max_value) * std64)).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
-    shift = (mean64 / std64).to(device=images.device, dtype=torch.float32).view(1, -1, 1, 1)
-    return torch.addcmul(-shift, images.to(torch.float32), scale)
+    scale = (1.0 / (max_value * std64)).to(device=device, dtype=torch.float32).view(1, -1, 1, 1)
+    shift = (mean64 / std64).to(device=device, dtype=torch.float32).view(1, -1, 1, 1)
+    return scale, -shift

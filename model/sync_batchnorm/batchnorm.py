@@ -316,6 +316,10 @@ class _SynchronizedBatchNorm(_BatchNorm):
         check_label_sums(sums, *own, lambda: dist.get_process_group_ranks(group), self._describe_key)
 
     def _check_pending_labels(self) -> None:
+        # DataParallel replicas share this list (a shallow copy of the layer): copy 0 alone reads and pops it,
+        # or two threads could check one entry or pop another's (a race between [0] and pop(0))
+        if self._is_parallel and self._parallel_id != 0:
+            return
         while self._pending_label_checks:
             host, event, group, own = self._pending_label_checks[0]
             if event is not None and not event.query():

@@ -99,11 +99,15 @@ class CombineMeta:
 
 def label_tensor(like: torch.Tensor, key: int, call: int, group) -> torch.Tensor:
     """This process's divergence label values (divergence.label_values) as float64 on `like`'s device, filled
-    on the device (no host-to-device copy)."""
+    on the device: one fill per value of a one-element slice. Not `label[i] = value`: on a 0-dim destination
+    PyTorch makes the number a CPU tensor and copies it, a blocking host-to-device copy that drains the
+    stream (tests/engine/test_host_syncs.py counts them)."""
     values = label_values(key, call, dist.get_rank(group), dist.get_world_size(group))
+    if like.device.type == "cpu":
+        return torch.tensor(values, dtype=torch.float64)
     label = like.new_empty(len(values), dtype=torch.float64)
     for i, value in enumerate(values):
-        label[i] = float(value)
+        label.narrow(0, i, 1).fill_(float(value))
     return label
 
 

@@ -121,14 +121,15 @@ class SegmentationLoss(nn.Module):
     def _ohem_keep(self, logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         probability = logits.softmax(dim=1).gather(1, target.unsqueeze(1)).squeeze(1)
         probability = torch.where(valid, probability, torch.full_like(probability, 2.0))
-        threshold = torch.tensor(self.ohem_thresh, device=logits.device)
-        num_valid = int(valid.sum())
-        if self.ohem_min_kept > 0 and num_valid > 0:
-            kth = min(self.ohem_min_kept, num_valid)
-            kth_value = probability.flatten().kthvalue(kth).values
-            threshold = torch.maximum(threshold, kth_value)
-        # `<=` keeps the min_kept-th pixel itself; ties at the threshold are kept too.
-        return (valid & (probability <= threshold)).to(logits.dtype)
+        # Nothing is read back to the host: ignored pixels sort last (probability 2), so the k-th smallest
+        # over all pixels, k = min(min_kept, pixels), is the k-th valid one when there are k valid pixels, and
+        # otherwise 2, which keeps every valid pixel, as taking the last valid one would.
+        if self.ohem_min_kept > 0 and probability.numel() > 0:
+            kth = min(self.ohem_min_kept, probability.numel())
+            threshold = probability.flatten().kthvalue(kth).values.clamp_min(self.ohem_thresh)
+            # `<=` keeps the min_kept-th pixel itself; ties at the threshold are kept too.
+            return (valid & (probability <= threshold)).to(logits.dtype)
+        return (valid & (probability <= self.ohem_thresh)).to(logits.dtype)
 
     def terms(self, outputs: Mapping[str, torch.Tensor],
               target: torch.Tensor) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:

@@ -77,14 +77,16 @@ def recompute_batch_norm_statistics(model: nn.Module, train_model: nn.Module, lo
         for layer in layers:
             layer.momentum = 1.0  # running buffers := this batch's (synchronized) mean and unbiased variance
         for images, _ in until_stop(loader, should_stop):
-            images = images.to(device)
-            global_images = torch.tensor([images.shape[0]], dtype=torch.float64, device=device)
+            # the global image count on the host (a CPU all-reduce: gloo), never read back from the device
+            global_images = torch.tensor([images.shape[0]], dtype=torch.int64)
             if is_dist():
                 all_reduce_sum(global_images)
+            global_images = int(global_images[0])
+            images = images.to(device, non_blocking=True)
             with autocast_for(device, precision):
                 train_model(normalize_batch(images, data_cfg.mean, data_cfg.std, max_value=data_cfg.max_value))
             for index, layer in enumerate(layers):
-                elements = int(global_images.item()) * sizes[layer]
+                elements = global_images * sizes[layer]
                 mean, var = layer.running_mean.double(), layer.running_var.double()
                 sums[index][0].add_(mean * elements)
                 sums[index][1].add_(var * (elements - 1) + mean * mean * elements)

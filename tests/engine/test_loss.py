@@ -70,11 +70,19 @@ def _ohem_reference(logits: torch.Tensor, target: torch.Tensor, thresh: float, m
     return float(losses[kept].mean())
 
 
-@pytest.mark.parametrize("thresh,min_kept", [(0.7, 5), (0.3, 20), (0.05, 1)])
+# min_kept 55: between the valid pixels (47) and all (60); 10,000: more than there are pixels
+@pytest.mark.parametrize("thresh,min_kept", [(0.7, 5), (0.3, 20), (0.05, 1), (0.05, 55), (0.05, 10_000)])
 def test_ohem_matches_float64_reference(thresh, min_kept):
     logits, target = _logits_and_target(seed=4)
     loss = _loss(ohem=True, ohem_thresh=thresh, ohem_min_kept=min_kept)({"out": logits}, target)
     assert loss.item() == pytest.approx(_ohem_reference(logits, target, thresh, min_kept), rel=1e-5)
+
+
+def test_ohem_on_a_batch_without_valid_pixels_is_zero():
+    logits, target = _logits_and_target(seed=4)
+    loss = _loss(ohem=True, ohem_min_kept=5)({"out": logits.requires_grad_()}, torch.full_like(target, 255))
+    loss.backward()
+    assert loss.item() == 0.0 and logits.grad.abs().sum().item() == 0.0
 
 
 def test_ohem_keeps_fewer_pixels_than_plain_loss_and_is_harder():
