@@ -242,3 +242,36 @@ def test_cityscapes_parity_with_cityscapesscripts(tmp_path):
             assert metrics["iou"][train_id] == pytest.approx(official_iou, abs=1e-12), train_names[train_id]
     assert metrics["iou"][16] is None and metrics["iou"][17] == 0.0
     assert metrics["miou"] == pytest.approx(result["averageScoreClasses"], abs=1e-12)
+
+
+@pytest.mark.parametrize("ignore_index", [255, 0, -1, 4])
+@pytest.mark.parametrize("target_dtype", [torch.uint8, torch.int64])
+def test_the_device_path_counts_what_the_host_path_counts(ignore_index, target_dtype):
+    """update() on an accelerator reads nothing back (tests/engine/test_host_syncs.py); run here on CPU
+    tensors, it gives the host path's matrix, ignore indices inside, below and past the classes included."""
+    generator = torch.Generator().manual_seed(7)
+    pred = torch.randint(0, 5, (3, 11, 13), generator=generator)
+    target = torch.randint(0, 5, (3, 11, 13), generator=generator)
+    if ignore_index != 4:
+        target[torch.rand(target.shape, generator=generator) < 0.2] = ignore_index if ignore_index >= 0 else 0
+    if target_dtype == torch.uint8 and ignore_index < 0:
+        pytest.skip("a uint8 mask holds no negative ignore index")
+    if ignore_index < 0:
+        target[0, 0, :3] = ignore_index
+    target = target.to(target_dtype)
+    host, device = ConfusionMatrix(5, ignore_index=ignore_index), ConfusionMatrix(5, ignore_index=ignore_index)
+    host.update(pred, target)
+    device._update_without_reads(pred.reshape(-1), target.reshape(-1))
+    assert torch.equal(host.matrix, device.matrix) and host.matrix.sum() > 0
+    assert device.compute() == host.compute()
+
+
+def test_the_device_path_raises_out_of_range_values_at_compute():
+    matrix = ConfusionMatrix(4, ignore_index=IGNORE_INDEX)
+    pred, target = torch.tensor([0, 1, 4, 2]), torch.tensor([0, 7, 1, IGNORE_INDEX])
+    matrix._update_without_reads(pred, target)
+    assert matrix.matrix.sum() == 1  # only the first pixel is counted
+    with pytest.raises(ValueError, match=r"1 predicted pixel\(s\) outside \[0, 4\) and 1 target pixel"):
+        matrix.compute()
+    matrix.reset()
+    assert matrix.compute()["num_pixels"] == 0

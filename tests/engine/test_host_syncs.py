@@ -175,3 +175,15 @@ def test_only_replica_zero_reads_the_pending_label_checks():
     layer._parallel_id = 0
     layer._check_pending_labels()
     assert checked == [(1, 1, 0, 2)] and pending == []
+
+
+def test_a_confusion_update_on_the_device_makes_no_host_sync(fake_cuda):
+    from syncseg.engine.confusion import ConfusionMatrix
+    with fake_cuda:
+        matrix = ConfusionMatrix(21, ignore_index=255, device="cuda")
+        predictions = torch.zeros(2, 16, 16, dtype=torch.int64, device="cuda")
+        masks = torch.zeros(2, 16, 16, dtype=torch.uint8, device="cuda")
+        with host_syncs.SyncCounter() as counter:
+            for _ in range(3):
+                matrix.update(predictions, masks)
+    assert counter.events == []
