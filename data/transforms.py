@@ -17,7 +17,6 @@ middle, so upscaled crops were never flipped.
 from __future__ import annotations
 
 import functools
-
 import logging
 import random as py_random_module
 from typing import Any, Sequence

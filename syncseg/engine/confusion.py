@@ -112,7 +112,7 @@ class ConfusionMatrix:
         overflow = classes * classes  # the bin of every pixel not counted
         index = torch.where(keep, target * classes + pred, overflow)
         counts = torch.zeros(overflow + 1, dtype=torch.int64, device=index.device)
-        counts.scatter_add_(0, index, torch.ones_like(index))
+        counts.scatter_add_(0, index, index.new_ones(1).expand_as(index))  # no pixel-sized tensor of ones
         self.matrix += counts[:overflow].view(classes, classes)
 
     def _raise_invalid(self, target: torch.Tensor) -> None:

@@ -124,12 +124,12 @@ class SegmentationLoss(nn.Module):
         # Nothing is read back to the host: ignored pixels sort last (probability 2), so the k-th smallest
         # over all pixels, k = min(min_kept, pixels), is the k-th valid one when there are k valid pixels, and
         # otherwise 2, which keeps every valid pixel, as taking the last valid one would.
+        threshold: float | torch.Tensor = self.ohem_thresh
         if self.ohem_min_kept > 0 and probability.numel() > 0:
             kth = min(self.ohem_min_kept, probability.numel())
             threshold = probability.flatten().kthvalue(kth).values.clamp_min(self.ohem_thresh)
-            # `<=` keeps the min_kept-th pixel itself; ties at the threshold are kept too.
-            return (valid & (probability <= threshold)).to(logits.dtype)
-        return (valid & (probability <= self.ohem_thresh)).to(logits.dtype)
+        # `<=` keeps the min_kept-th pixel itself; ties at the threshold are kept too.
+        return (valid & (probability <= threshold)).to(logits.dtype)
 
     def terms(self, outputs: Mapping[str, torch.Tensor],
               target: torch.Tensor) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:

@@ -78,10 +78,10 @@ def recompute_batch_norm_statistics(model: nn.Module, train_model: nn.Module, lo
             layer.momentum = 1.0  # running buffers := this batch's (synchronized) mean and unbiased variance
         for images, _ in until_stop(loader, should_stop):
             # the global image count on the host (a CPU all-reduce: gloo), never read back from the device
-            global_images = torch.tensor([images.shape[0]], dtype=torch.int64)
+            counts = torch.tensor([images.shape[0]], dtype=torch.int64)
             if is_dist():
-                all_reduce_sum(global_images)
-            global_images = int(global_images[0])
+                all_reduce_sum(counts)
+            global_images = int(counts[0])
             images = images.to(device, non_blocking=True)
             with autocast_for(device, precision):
                 train_model(normalize_batch(images, data_cfg.mean, data_cfg.std, max_value=data_cfg.max_value))
