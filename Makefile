@@ -57,7 +57,7 @@ test-fast: $(STAMP)
 # table of every target (PASS / FAIL / NOISY beside its A/A control). Each benchmark re-executes itself
 # with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised (stable CPU timings; benchmarks/common.py), except
 # bench_vs_plain and bench_eval_vs_plain, which run train.py / eval.py and a plain loop in the environment a user's shell has.
-BENCHMARKS := bench_syncbn bench_model bench_data bench_eval bench_train bench_stop bench_optim bench_vs_plain bench_eval_vs_plain
+BENCHMARKS := bench_syncbn bench_model bench_data bench_eval bench_train bench_stop bench_optim bench_host_syncs bench_vs_plain bench_eval_vs_plain
 bench: $(STAMP)
 	for name in $(BENCHMARKS); do $(PY) -m benchmarks.$$name || exit 1; done
 	$(PY) -m benchmarks.summary

@@ -20,7 +20,7 @@ PYTHON_CLIS = ["train.py", "eval.py", "scripts/predict.py", "scripts/export.py",
                "scripts/prepare_voc.py"]
 MODULES = ["syncseg.commands.train", "syncseg.commands.eval", "syncseg.commands.predict", "syncseg.commands.export", "syncseg.commands.verify_dataset", "syncseg.commands.prepare_voc"]
 BENCHMARKS = ["benchmarks.bench_syncbn", "benchmarks.bench_model", "benchmarks.bench_data", "benchmarks.bench_eval",
-              "benchmarks.bench_train", "benchmarks.bench_cuda"]
+              "benchmarks.bench_train", "benchmarks.bench_cuda", "benchmarks.bench_host_syncs"]
 HELP_CPU_SECONDS = 2.0
 
 

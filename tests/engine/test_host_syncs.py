@@ -1,54 +1,34 @@
 """The GPU step never waits for the host: host synchronizations counted on fake CUDA tensors.
 
-Each test runs one piece of CUDA code under tests/host_syncs.py's counter (no GPU needed: shapes only) and
+Each test runs one piece of CUDA code under benchmarks/host_syncs.py's counter (no GPU needed: shapes only) and
 asserts the number of blocking host-device copies and device reads it makes. The bars are 0: a new blocking
 copy anywhere in the training step fails `test_a_training_step_makes_no_host_sync`.
 """
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
-import torch.distributed as dist
 
-import syncseg
-from syncseg.data import transforms
+from benchmarks import host_syncs
 from syncseg.data.transforms import normalize_batch
-from syncseg.engine.config import DataConfig, TrainConfig
+from syncseg.engine.config import DataConfig, ModelConfig, TrainConfig
 from syncseg.engine.loss import build_loss
-from syncseg.engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
 from syncseg.engine.precise_bn import recompute_batch_norm_statistics
-from syncseg.engine.trainer import Trainer
 from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d
-from syncseg.model.sync_batchnorm.batchnorm import _SynchronizedBatchNorm
-from tests import host_syncs
 
 DATA = DataConfig()
 
 
 @pytest.fixture
-def one_process_group(monkeypatch):
-    """A 1-process gloo group whose synchronized layers take the synchronized path (with one process they
-    would be plain batch_norm): the all-reduces, the label and the fused backward of a multi-GPU run."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-    def group(layer):
-        return dist.group.WORLD if layer.training else None
-
-    monkeypatch.setattr(_SynchronizedBatchNorm, "_distributed_group", group)
-    try:
+def one_process_group():
+    with host_syncs.one_process_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch):
-    transforms._normalization_constants.cache_clear()  # constants cached on another mode's fake device
-    with host_syncs.fake_cuda(monkeypatch) as mode:
+def fake_cuda():
+    with host_syncs.fake_cuda() as mode:
         yield mode  # entered by each test, after it has built its modules
-    transforms._normalization_constants.cache_clear()
 
 
 def test_the_counter_sees_blocking_copies_and_reads(fake_cuda):
@@ -134,30 +114,12 @@ def test_a_precise_bn_batch_makes_no_host_sync(fake_cuda, one_process_group):
     assert counter.events == []
 
 
-def test_a_training_step_makes_no_host_sync(fake_cuda, one_process_group, monkeypatch):
-    """Trainer.train_step itself on DeepLabV3+ with synchronized BatchNorm, OHEM and fused SGD."""
-    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *args, **kwargs: host_syncs.backward(self))
-    model = syncseg.build_model(arch="deeplabv3plus", backbone="resnet18", num_classes=3, norm="syncbn")
-    with fake_cuda:
-        model = model.to("cuda").train()
-    train_cfg = TrainConfig(ohem=True, ohem_min_kept=50)
-    with fake_cuda:
-        optimizer = build_optimizer(build_param_groups(model, lr=0.01, head_lr_mult=10.0, weight_decay=1e-4),
-                                    train_cfg)
-    parts = types.SimpleNamespace(
-        criterion=build_loss(train_cfg, ignore_index=255), train_model=model, forward_model=model,
-        precision="off", scaler=torch.amp.GradScaler("cuda", enabled=False),
-        scheduler=PolyWarmupLR(optimizer, total_iters=10), ema=None)
-    trainer = types.SimpleNamespace(parts=parts, config=types.SimpleNamespace(data=DATA), device=torch.device("cuda"),
-                                    optimizer=optimizer, dist=types.SimpleNamespace(world_size=1), model=model)
-    generator = torch.Generator().manual_seed(0)
-    batch = [(torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=generator),
-              torch.randint(0, 3, (2, 32, 32), dtype=torch.uint8, generator=generator))]
-    with fake_cuda:
-        Trainer.train_step(trainer, batch)  # the first step creates the optimizer state, the constants
-    with fake_cuda, host_syncs.SyncCounter() as counter:
-        loss = Trainer.train_step(trainer, batch)
-    assert counter.events == []
+def test_a_training_step_makes_no_host_sync():
+    """Trainer.train_step itself on DeepLabV3+ with synchronized BatchNorm, OHEM, fused SGD and EMA."""
+    model_cfg = ModelConfig(arch="deeplabv3plus", backbone="resnet18", norm="syncbn", pretrained_backbone="none")
+    train_cfg = TrainConfig(ohem=True, ohem_min_kept=50, ema_decay=0.99)
+    events, loss, model = host_syncs.training_step_syncs(model_cfg, train_cfg, DATA, num_classes=3)
+    assert events == []
     assert loss.device.type == "cuda" and all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 

@@ -15,11 +15,17 @@ makes the host wait for the device queue:
 a device thread, which a build without CUDA cannot start. `fake_cuda()` also gives the two things the CPU
 build lacks there: shape functions for `aten::batch_norm_update_stats`, `batch_norm_backward_elemt` and the fused
 optimizers and `torch.cuda.Event`.
+
+`training_step_syncs` counts one `Trainer.train_step` (tests/engine/test_host_syncs.py holds it to 0;
+benchmarks/bench_host_syncs.py prints it for a config). What it cannot see: autocast and GradScaler switch
+themselves off without a CUDA runtime, so the step is counted in fp32 (bf16 adds casts, no syncs; fp16's
+GradScaler reads its inf flag once per step, torch's own design).
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
@@ -100,19 +106,107 @@ def _in_place_update(*args, **kwargs) -> None:
 
 
 @contextlib.contextmanager
-def fake_cuda(monkeypatch) -> Iterator[FakeTensorMode]:
-    """A FakeTensorMode (to enter) in which `device="cuda"` tensors can be made and SyncBN runs. Build
-    modules before entering it, then move them: a fake parameter cannot be swapped for another."""
+def fake_cuda() -> Iterator[FakeTensorMode]:
+    """A FakeTensorMode (to enter, as often as needed) in which `device="cuda"` tensors can be made and
+    SyncBN runs. Build modules before entering it, then move them: a fake parameter cannot be swapped for
+    another. normalize_batch's per-device constants are dropped before and after (a cached constant
+    belongs to one mode's fake device)."""
+    from syncseg.data import transforms
+
     library = torch.library.Library("aten", "IMPL")
     library.impl("batch_norm_update_stats", _batch_norm_update_stats_shape, "Meta")
     library.impl("batch_norm_backward_elemt", _like_grad_output, "Meta")
     library.impl("_fused_sgd_", _in_place_update, "Meta")
     library.impl("_fused_adamw_", _in_place_update, "Meta")
-    monkeypatch.setattr(torch.cuda, "Event", _EventStandIn)
+    event = torch.cuda.Event
+    torch.cuda.Event = _EventStandIn
+    transforms._normalization_constants.cache_clear()
     try:
         yield FakeTensorMode(allow_non_fake_inputs=True)
     finally:
+        transforms._normalization_constants.cache_clear()
+        torch.cuda.Event = event
         library._destroy()
+
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[None]:
+    """A 1-process gloo group whose synchronized layers take the synchronized path (with one process they
+    would be plain batch_norm): the all-reduces, the label and the fused backward of a multi-GPU run."""
+    import torch.distributed as dist
+
+    from syncseg.model.sync_batchnorm.batchnorm import _SynchronizedBatchNorm
+
+    def group(layer):
+        return dist.group.WORLD if layer.training else None
+
+    original = _SynchronizedBatchNorm.__dict__["_distributed_group"]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _SynchronizedBatchNorm._distributed_group = group
+    try:
+        yield
+    finally:
+        _SynchronizedBatchNorm._distributed_group = original
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def backward_in_this_thread() -> Iterator[None]:
+    """`tensor.backward()` runs `backward(tensor)` (for code that calls it, such as Trainer.train_step)."""
+    original = torch.Tensor.backward
+    torch.Tensor.backward = lambda self, *args, **kwargs: backward(self)
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
+
+
+def training_step_syncs(model_cfg, train_cfg, data_cfg, *, num_classes: int, image_size: int = 32,
+                        batch_size: int = 2, synchronized: bool = True) -> tuple[list[tuple[str, str]], Any, Any]:
+    """The host synchronizations of one `Trainer.train_step` on fake CUDA (the second: the first creates the
+    optimizer state and normalize_batch's constants), with the model, loss, optimizer, schedule and EMA the
+    config sections build. `synchronized`: through a 1-process group (a multi-GPU run's path), else the
+    layers' one-process path. Returns (events, loss, model)."""
+    import types
+
+    from syncseg.engine.ema import ModelEMA
+    from syncseg.engine.loss import build_loss
+    from syncseg.engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
+    from syncseg.engine.trainer import Trainer
+    from syncseg.model.builder import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_cfg, num_classes, in_channels=data_cfg.in_channels)
+    cuda = torch.device("cuda")
+    generator = torch.Generator().manual_seed(0)
+    maximum = int(data_cfg.max_value) + 1
+    batch = [(torch.randint(0, maximum, (batch_size, data_cfg.in_channels, image_size, image_size),
+                            dtype=torch.uint8 if maximum <= 256 else torch.int32, generator=generator),
+              torch.randint(0, num_classes, (batch_size, image_size, image_size), dtype=torch.uint8,
+                            generator=generator))]  # the loader's (CPU) batch
+    ema = ModelEMA(model, train_cfg.ema_decay) if train_cfg.ema_decay > 0 else None  # copied before faking
+    group = one_process_group() if synchronized else contextlib.nullcontext()
+    with fake_cuda() as mode, group, backward_in_this_thread():
+        with mode:
+            model = model.to(cuda).train()
+            if ema is not None:
+                ema.module.to(cuda)
+            groups = build_param_groups(model, lr=train_cfg.lr, head_lr_mult=train_cfg.head_lr_mult,
+                                        weight_decay=train_cfg.weight_decay)
+            optimizer = build_optimizer(groups, train_cfg)
+            parts = types.SimpleNamespace(
+                criterion=build_loss(train_cfg, ignore_index=data_cfg.ignore_index).to(cuda), train_model=model,
+                forward_model=model, precision="off", scaler=torch.amp.GradScaler("cuda", enabled=False),
+                scheduler=PolyWarmupLR(optimizer, total_iters=max(2, train_cfg.iters), power=train_cfg.poly_power,
+                                       warmup_iters=train_cfg.warmup_iters),
+                ema=ema)
+            trainer = types.SimpleNamespace(parts=parts, config=types.SimpleNamespace(data=data_cfg), device=cuda,
+                                            optimizer=optimizer, dist=types.SimpleNamespace(world_size=1),
+                                            model=model)
+            Trainer.train_step(trainer, batch)
+            with SyncCounter() as counter:
+                loss = Trainer.train_step(trainer, batch)
+    return counter.events, loss, model
 
 
 def backward(loss: torch.Tensor) -> None:
