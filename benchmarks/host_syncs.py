@@ -130,9 +130,10 @@ def fake_cuda() -> Iterator[FakeTensorMode]:
 
 
 @contextlib.contextmanager
-def one_process_group() -> Iterator[None]:
-    """A 1-process gloo group whose synchronized layers take the synchronized path (with one process they
-    would be plain batch_norm): the all-reduces, the label and the fused backward of a multi-GPU run."""
+def one_process_group(backend: str = "gloo") -> Iterator[None]:
+    """A 1-process group (gloo, or nccl on a GPU) whose synchronized layers take the synchronized path (with
+    one process they would be plain batch_norm): the all-reduces, the label and the fused backward of a
+    multi-GPU run."""
     import torch.distributed as dist
 
     from syncseg.model.sync_batchnorm.batchnorm import _SynchronizedBatchNorm
@@ -141,7 +142,7 @@ def one_process_group() -> Iterator[None]:
         return dist.group.WORLD if layer.training else None
 
     original = _SynchronizedBatchNorm.__dict__["_distributed_group"]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     _SynchronizedBatchNorm._distributed_group = group
     try:
         yield
@@ -161,29 +162,53 @@ def backward_in_this_thread() -> Iterator[None]:
         torch.Tensor.backward = original
 
 
+def step_batch(data_cfg, *, num_classes: int, image_size: int, batch_size: int, seed: int = 0) -> list:
+    """One micro-batch as the training loader hands it over: integer images and uint8 masks, on the CPU."""
+    generator = torch.Generator().manual_seed(seed)
+    maximum = int(data_cfg.max_value) + 1
+    images = torch.randint(0, maximum, (batch_size, data_cfg.in_channels, image_size, image_size),
+                           dtype=torch.uint8 if maximum <= 256 else torch.int32, generator=generator)
+    masks = torch.randint(0, num_classes, (batch_size, image_size, image_size), dtype=torch.uint8, generator=generator)
+    return [(images, masks)]
+
+
+def step_harness(model, train_cfg, data_cfg, device: torch.device, *, precision: str = "off", ema=None) -> Any:
+    """What `Trainer.train_step(harness, batch)` needs, for `model` already on `device`: the config's loss,
+    optimizer, schedule and `ema`, a GradScaler for fp16, one process (no DDP: the synchronized layers
+    reduce over whatever group they see)."""
+    import types
+
+    from syncseg.engine.loss import build_loss
+    from syncseg.engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
+
+    groups = build_param_groups(model, lr=train_cfg.lr, head_lr_mult=train_cfg.head_lr_mult,
+                                weight_decay=train_cfg.weight_decay)
+    optimizer = build_optimizer(groups, train_cfg)
+    parts = types.SimpleNamespace(
+        criterion=build_loss(train_cfg, ignore_index=data_cfg.ignore_index).to(device), train_model=model,
+        forward_model=model, precision=precision,
+        scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
+        scheduler=PolyWarmupLR(optimizer, total_iters=max(2, train_cfg.iters), power=train_cfg.poly_power,
+                               warmup_iters=train_cfg.warmup_iters),
+        ema=ema)
+    return types.SimpleNamespace(parts=parts, config=types.SimpleNamespace(data=data_cfg), device=device,
+                                 optimizer=optimizer, dist=types.SimpleNamespace(world_size=1), model=model)
+
+
 def training_step_syncs(model_cfg, train_cfg, data_cfg, *, num_classes: int, image_size: int = 32,
                         batch_size: int = 2, synchronized: bool = True) -> tuple[list[tuple[str, str]], Any, Any]:
     """The host synchronizations of one `Trainer.train_step` on fake CUDA (the second: the first creates the
     optimizer state and normalize_batch's constants), with the model, loss, optimizer, schedule and EMA the
     config sections build. `synchronized`: through a 1-process group (a multi-GPU run's path), else the
     layers' one-process path. Returns (events, loss, model)."""
-    import types
-
     from syncseg.engine.ema import ModelEMA
-    from syncseg.engine.loss import build_loss
-    from syncseg.engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
     from syncseg.engine.trainer import Trainer
     from syncseg.model.builder import build_model
 
     torch.manual_seed(0)
     model = build_model(model_cfg, num_classes, in_channels=data_cfg.in_channels)
     cuda = torch.device("cuda")
-    generator = torch.Generator().manual_seed(0)
-    maximum = int(data_cfg.max_value) + 1
-    batch = [(torch.randint(0, maximum, (batch_size, data_cfg.in_channels, image_size, image_size),
-                            dtype=torch.uint8 if maximum <= 256 else torch.int32, generator=generator),
-              torch.randint(0, num_classes, (batch_size, image_size, image_size), dtype=torch.uint8,
-                            generator=generator))]  # the loader's (CPU) batch
+    batch = step_batch(data_cfg, num_classes=num_classes, image_size=image_size, batch_size=batch_size)
     ema = ModelEMA(model, train_cfg.ema_decay) if train_cfg.ema_decay > 0 else None  # copied before faking
     group = one_process_group() if synchronized else contextlib.nullcontext()
     with fake_cuda() as mode, group, backward_in_this_thread():
@@ -191,21 +216,10 @@ def training_step_syncs(model_cfg, train_cfg, data_cfg, *, num_classes: int, ima
             model = model.to(cuda).train()
             if ema is not None:
                 ema.module.to(cuda)
-            groups = build_param_groups(model, lr=train_cfg.lr, head_lr_mult=train_cfg.head_lr_mult,
-                                        weight_decay=train_cfg.weight_decay)
-            optimizer = build_optimizer(groups, train_cfg)
-            parts = types.SimpleNamespace(
-                criterion=build_loss(train_cfg, ignore_index=data_cfg.ignore_index).to(cuda), train_model=model,
-                forward_model=model, precision="off", scaler=torch.amp.GradScaler("cuda", enabled=False),
-                scheduler=PolyWarmupLR(optimizer, total_iters=max(2, train_cfg.iters), power=train_cfg.poly_power,
-                                       warmup_iters=train_cfg.warmup_iters),
-                ema=ema)
-            trainer = types.SimpleNamespace(parts=parts, config=types.SimpleNamespace(data=data_cfg), device=cuda,
-                                            optimizer=optimizer, dist=types.SimpleNamespace(world_size=1),
-                                            model=model)
-            Trainer.train_step(trainer, batch)
+            harness = step_harness(model, train_cfg, data_cfg, cuda, ema=ema)
+            Trainer.train_step(harness, batch)
             with SyncCounter() as counter:
-                loss = Trainer.train_step(trainer, batch)
+                loss = Trainer.train_step(harness, batch)
     return counter.events, loss, model
 
 

@@ -1,10 +1,14 @@
 """The Python steps of scripts/gpu_check.sh: what a borrowed one-GPU machine can show beyond the test suite.
 
-    python -m scripts.gpu_probes SUBCOMMAND [--device cuda|cpu] [...]
+    python -m scripts.gpu_probes SUBCOMMAND [--device cuda|cpu] [--deadline SECONDS] [...]
 
 Each subcommand prints `RESULT: ...` lines (the last is the step's line in summary.txt) and exits 0 when what it
 checks holds, 3 when it cannot run here (the RESULT line says why), 1 when a check failed. `--device cpu` runs
-the same code on tiny shapes: gpu_check.sh --dry-run rehearses every probe on a CPU machine.
+the same code on tiny shapes: gpu_check.sh --dry-run rehearses every probe on a CPU machine. `--deadline`: the
+probe's own time limit (gpu_check.sh gives it a few seconds below the step's timeout): measurements fit their
+rounds into it (time_left()), and when it passes the probe prints a RESULT line saying so, stops its child
+processes and exits 1, so the step reports what was measured instead of being killed. The measurements (step,
+step-norms, host-syncs) and fused-grad are in scripts/gpu_step_probes.py.
 
     unfuse CHECKPOINT      rewrite a last.pt's optimizer state as the unfused optimizer saved it (for the
                            fused-optimizer resume of train_fp16_resume)
@@ -20,6 +24,9 @@ the same code on tiny shapes: gpu_check.sh --dry-run rehearses every probe on a 
                            compiler (Triton's launcher needs one) and Triton are there
     val-autotune           whole-image validation of varied sizes: cuDNN autotuning every size, none, and
                            evaluate()'s rule (only sizes that come back)
+    step, step-norms, host-syncs, fused-grad
+                           scripts/gpu_step_probes.py: the training step's speed, memory and MFU; with our
+                           SyncBN, torch's and BatchNorm2d; its host syncs; the fused input gradient
 """
 from __future__ import annotations
 
@@ -43,6 +50,33 @@ import torch
 
 PASSED, FAILED, NOT_HERE = 0, 1, 3
 ROOT = Path(__file__).resolve().parents[1]
+_DEADLINE = [float("inf")]  # time.monotonic() at --deadline
+
+
+def time_left() -> float:
+    """Seconds until the probe's --deadline (inf without one)."""
+    return _DEADLINE[0] - time.monotonic()
+
+
+def _start_deadline(seconds: float, probe: str) -> None:
+    """At `seconds` from now: a RESULT line, the child processes stopped, exit 1 (the records printed so far stay
+    in the log)."""
+    import multiprocessing
+    import threading
+
+    _DEADLINE[0] = time.monotonic() + seconds
+
+    def expire() -> None:
+        result(f"{probe} stopped by its inner deadline of {seconds:g} s (what it measured is in the RECORD lines above)")
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(Exception):
+                child.kill()
+        sys.stdout.flush()
+        os._exit(FAILED)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def result(line: str) -> None:
@@ -312,7 +346,7 @@ def two_processes(device: torch.device) -> int:
 
     if device.type == "cuda":
         device = torch.device("cuda", 0)
-    records = _spawn_two(_two_process_worker, device, 120)
+    records = _spawn_two(_two_process_worker, device, min(120.0, time_left() - 3))
     for rank, record in enumerate(records):
         print(f"rank {rank}: {json.dumps({k: v for k, v in record.items() if k != 'weights'})[:3000]}", flush=True)
     errors = [r["error"] for r in records if "error" in r]
@@ -432,7 +466,7 @@ def compile_layers(device: torch.device, backend: str) -> int:
     print(environment, flush=True)
     if device.type == "cuda":
         device = torch.device("cuda", 0)
-    records = _spawn_two(_compile_worker, device, 400, backend)
+    records = _spawn_two(_compile_worker, device, min(400.0, time_left() - 3), backend)
     for rank, record in enumerate(records):
         print(f"rank {rank}: {json.dumps(record)[:3000]}", flush=True)
     record = records[0]
@@ -503,15 +537,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.gpu_probes", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("probe", choices=["unfuse", "sigterm", "bad-mask", "tf32", "two-processes", "dp-one-gpu",
-                                          "compile", "val-autotune"])
+                                          "compile", "val-autotune", "step", "step-norms", "host-syncs", "fused-grad"])
     parser.add_argument("checkpoint", nargs="?", help="unfuse: the checkpoint to rewrite")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--backend", default="inductor", help="compile: the torch.compile backend to try first")
     parser.add_argument("--images", type=int, default=12, help="val-autotune: images per way")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds the probe may take (see above)")
     argv = sys.argv[1:] if argv is None else argv
     # sigterm / bad-mask: train.py's own arguments (options among them) follow a "--"
     own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
+    if args.deadline is not None:
+        _start_deadline(args.deadline, args.probe)
     device = torch.device(args.device)
     if device.type == "cuda" and args.probe not in ("unfuse", "sigterm", "bad-mask") and not torch.cuda.is_available():
         result("no CUDA device")
@@ -533,6 +570,10 @@ def main(argv: list[str] | None = None) -> int:
             return dp_one_gpu(device)
         if args.probe == "compile":
             return compile_layers(device, args.backend)
+        if args.probe in ("step", "step-norms", "host-syncs", "fused-grad"):
+            from scripts.gpu_step_probes import PROBES
+
+            return PROBES[args.probe](device)
         return val_autotune(device, args.images)
     except Exception as error:  # noqa: BLE001 - one line for the summary, the traceback for the log
         traceback.print_exc()
@@ -541,4 +582,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run from the importable module, not this __main__ copy: scripts.gpu_step_probes imports it, and its
+    # deadline (time_left) and the workers that spawned processes load must be the same objects
+    from scripts.gpu_probes import main as module_main
+
+    sys.exit(module_main())

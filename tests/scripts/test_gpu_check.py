@@ -31,15 +31,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 HIDER = ROOT / "scripts" / "gpu_image"
-OUT_FILES = {"summary.txt", "environment.txt", "train.txt", "train_metrics.json", "probes.txt", "cuda_tests.txt",
-             "benchmarks.txt", "bench_cuda.json"}
-TRAININGS = ["train_fp16_resume", "train_bf16_channels_last", "train_off_sigterm", "train_ddp2"]
-PROBES = ["tf32", "bad_mask", "two_processes_one_gpu", "dp_one_gpu", "compile_syncbn", "val_autotune"]
-# in the script's order: the most informative first, the CUDA test files between these two lists
-STEPS_BEFORE_TESTS = ["environment", "deps", *TRAININGS, *PROBES]
-STEPS_AFTER_TESTS = ["bench_cuda", "bench_syncbn"]
-FIXED_STEPS = STEPS_BEFORE_TESTS + STEPS_AFTER_TESTS
+OUT_FILES = {"summary.txt", "environment.txt", "measurements.txt", "measurements.json", "probes.txt", "train.txt",
+             "train_metrics.json", "cuda_tests.txt"}
+MEASUREMENTS = ["step", "step_norms", "host_syncs"]
+CHECKS = ["fused_grad", "compile_syncbn", "dp_one_gpu", "two_processes_one_gpu"]
+TRAININGS = ["train_bf16_channels_last", "train_fp16_resume", "train_off_sigterm"]
+# in the script's order: the measurements first, then the correctness steps, the CUDA test files last
+FIXED_STEPS = ["environment", "deps", *MEASUREMENTS, *CHECKS, *TRAININGS, "bad_mask", "tf32"]
+PROBES = [*MEASUREMENTS, *CHECKS, "train_off_sigterm", "bad_mask", "tf32"]  # scripts.gpu_probes runs
+RESERVED_LIMIT = 540  # the issue's bar: the slices add up to at most 9 minutes
+DRY_SCALE = 3
 LINE = re.compile(r"^(PASS|FAIL|TIMEOUT|SKIPPED) +(\d+)s  (\S+) *(.*)$")
+PLAN = re.compile(r"^plan: (.*); reserved (\d+) s of at most (\d+) s, all within (\d+) s")
 
 
 def _load_gpu_wheels():
@@ -71,15 +74,31 @@ def summary_lines(out: Path) -> dict[str, tuple[str, str]]:
     return steps
 
 
+def plan(out: Path) -> dict[str, int]:
+    """{step: reserved seconds} from summary.txt's plan line, in its order; checks the line's own sum."""
+    line = next(line for line in (out / "summary.txt").read_text().splitlines() if line.startswith("plan: "))
+    match = PLAN.match(line)
+    assert match, line
+    slices = {name: int(seconds) for name, seconds in (part.rsplit(" ", 2)[:2] for part in match.group(1).split(", "))}
+    assert sum(slices.values()) == int(match.group(2)) and int(match.group(3)) == RESERVED_LIMIT, line
+    return slices
+
+
 def check_file_set(out: Path, steps: dict) -> None:
     files = {p.relative_to(out).as_posix(): p.stat().st_size for p in out.rglob("*") if p.is_file()}
     assert set(files) == OUT_FILES, sorted(files)
     assert all(size < 16 * 2**20 for size in files.values()), files
-    expected = STEPS_BEFORE_TESTS + [f"cuda_tests:{f}" for f in cuda_test_files()] + STEPS_AFTER_TESTS
+    expected = FIXED_STEPS + [f"cuda_tests:{f}" for f in cuda_test_files()]
     assert list(steps) == expected, (out / "summary.txt").read_text()
-    assert "gpu_check" in json.loads((out / "bench_cuda.json").read_text())
+    assert list(plan(out)) == [*FIXED_STEPS, "cuda_tests"]
+    assert sum(plan(out).values()) <= RESERVED_LIMIT
     assert set(json.loads((out / "train_metrics.json").read_text())) == set(TRAININGS)
     assert "finished with status" in (out / "summary.txt").read_text().splitlines()[-1]
+
+
+def timeouts(log: Path) -> list[int]:
+    """The timeout of every command a log's `=== ... (timeout N s)` header names."""
+    return [int(m) for m in re.findall(r"^=== .* \(timeout (\d+) s\)$", log.read_text(), re.M)]
 
 
 def repack(distribution: importlib.metadata.Distribution, folder: Path) -> Path:
@@ -193,14 +212,13 @@ def test_wheel_check_accepts_the_closure_and_names_what_is_missing(venv_wheels, 
 
 @pytest.mark.slow
 def test_dry_run_without_wheels_reports_every_step_and_keeps_going(tmp_path):
-    """Missing albumentations and no wheels: deps fails with what to do, the trainings and the probes that need
-    the data pipeline say so, a torch-only probe, the CUDA tests and the layer part of bench_cuda still run,
-    and bench_cuda's JSON records the engine's ImportError. `--steps` leaves out the three torch-only probes
-    that start processes of their own and bench_syncbn (the full dry run below runs them): they are recorded
-    as not selected, and the rest behaves as without it."""
+    """Missing albumentations and no wheels: deps fails with what to do, the measurements and trainings that
+    need the data pipeline say so, the torch-only probes and the CUDA tests still run. `--steps` leaves out the
+    three torch-only probes that start processes of their own (the full dry run below runs them): they are
+    recorded as not selected, and the rest behaves as without it."""
     empty = tmp_path / "no_wheels"
     empty.mkdir()
-    left_out = ["two_processes_one_gpu", "dp_one_gpu", "compile_syncbn", "bench_syncbn"]
+    left_out = ["two_processes_one_gpu", "dp_one_gpu", "compile_syncbn"]
     chosen = [step for step in FIXED_STEPS if step not in left_out] + ["cuda_tests"]
     result, out = run_dry(tmp_path, empty, "--steps", ",".join(chosen))
     assert result.returncode == 1, result.stdout + result.stderr
@@ -210,16 +228,16 @@ def test_dry_run_without_wheels_reports_every_step_and_keeps_going(tmp_path):
     assert status == "FAIL" and "albumentations" in detail and "gpu_wheels.py" in detail
     assert steps["cuda_tests:model/sync_batchnorm/test_cuda.py"][0] == "SKIPPED"  # ran: the tests skip themselves
     assert "not selected" not in steps["cuda_tests:model/sync_batchnorm/test_cuda.py"][1]
-    for step in (*TRAININGS, "bad_mask", "val_autotune"):
+    for step in (*MEASUREMENTS, *TRAININGS, "bad_mask"):
         assert steps[step] == ("SKIPPED", "the runtime requirements do not import (deps)"), step
     # torch and the package's layers only
-    assert steps["tf32"][0] == "SKIPPED" and steps["tf32"][1].startswith("dry run: "), steps["tf32"]
+    for step in ("tf32", "fused_grad"):
+        assert steps[step][0] == "SKIPPED" and steps[step][1].startswith("dry run: "), steps[step]
     for step in left_out:
         assert steps[step] == ("SKIPPED", f"not selected (--steps {','.join(chosen)})"), step
-    assert steps["bench_cuda"][0] == "FAIL"
-    record = json.loads((out / "bench_cuda.json").read_text())
-    assert record["single_process"] and record["targets"]  # the layer part survived
-    assert "albumentations" in record["training"]["error"]
+    measured = json.loads((out / "measurements.json").read_text())
+    assert set(measured) == {"fused_grad", "tf32"}  # the probes that ran
+    assert [row["ok"] for row in measured["fused_grad"]["record"]["rows"]] == [True] * 4
     metrics = json.loads((out / "train_metrics.json").read_text())
     assert all(metrics[name]["outcome"] == "not run" for name in TRAININGS)
     assert not list(tmp_path.glob("gpu_check.*"))  # the work folder is gone
@@ -228,8 +246,9 @@ def test_dry_run_without_wheels_reports_every_step_and_keeps_going(tmp_path):
 @pytest.mark.slow
 def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_wheels, step_past_its_time):
     """Missing albumentations, wheels at hand: deps installs them into a private folder, and every later
-    step (pytest collection, train.py, bench_cuda's engine import) imports them from there. (The step-budget
-    run of the test after this one runs beside it: step_past_its_time.)"""
+    step (the measurements, pytest collection, train.py) imports them from there; the plan's slices, stretched
+    for the CPU, are the commands' timeouts. (The step-budget run of the test after this one runs beside it:
+    step_past_its_time.)"""
     result, out = run_dry(tmp_path, venv_wheels)
     assert result.returncode == 0, result.stdout + result.stderr
     steps = summary_lines(out)
@@ -240,12 +259,26 @@ def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_
     environment = (out / "environment.txt").read_text()
     assert re.search(r"^albumentations \S+ .*gpu_check\.\w+/site/albumentations/__init__\.py$", environment, re.M)
     assert all(status == "SKIPPED" for step, (status, _) in steps.items() if step not in ("environment", "deps"))
+    slices = plan(out)
+    for log, names in (("measurements.txt", MEASUREMENTS), ("probes.txt", ["fused_grad", "compile_syncbn", "tf32"])):
+        assert max(timeouts(out / log)) <= max(slices[name] for name in names) * DRY_SCALE, log
+    assert "img/s" in steps["step"][1] and "MFU not computed: no bf16 peak known for cpu" in steps["step"][1]
+    assert "ours / bn" in steps["step_norms"][1] and "A/A" in steps["step_norms"][1]
+    assert "{'one process': 0, 'synchronized': 0}" in steps["host_syncs"][1]
+    measured = json.loads((out / "measurements.json").read_text())
+    assert set(measured) == set(PROBES)
+    assert all(entry["outcome"] in ("done", "cannot run here") for entry in measured.values()), measured
+    step = measured["step"]["record"]
+    assert step["flops_per_step"] > 1e9 and step["images_per_s"] > 0 and step["windows"] >= 1
+    norms = measured["step_norms"]["record"]
+    assert norms["rounds"] >= 1 and set(norms["step_ms"]) == {"ours", "bn", "bn_copy"}
+    assert measured["host_syncs"]["record"]["syncs"] == {"one process": 0, "synchronized": 0}
+    assert [row["ok"] for row in measured["fused_grad"]["record"]["rows"]] == [True] * 4
     assert "its last.pt made unfused, resumed to 2" in steps["train_fp16_resume"][1]
     assert "exit 143" in steps["train_off_sigterm"][1] and "stopped at iteration" in steps["train_off_sigterm"][1]
     assert "exit 2 and one line: ...mask value 9 is not a class index" in steps["bad_mask"][1]
     assert "the survivor's line is the lost-contact line" in steps["two_processes_one_gpu"][1]
     assert "1 graph(s), 0 break(s), compiled with aot_eager" in steps["compile_syncbn"][1]
-    assert "evaluate()'s rule" in steps["val_autotune"][1]
     assert steps["dp_one_gpu"] == ("SKIPPED", "needs CUDA: DataParallel replicates only onto GPUs")
     metrics = json.loads((out / "train_metrics.json").read_text())
     resumed = metrics["train_fp16_resume"]
@@ -253,7 +286,6 @@ def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_
     assert [(r["type"], r["iteration"]) for r in resumed["metrics"]] == [("train", 1), ("val", 1), ("train", 2), ("val", 2)]
     assert "last.pt" in resumed["run_files"]  # listed, not copied
     assert metrics["train_off_sigterm"]["outcome"] == "done" and "last.pt" in metrics["train_off_sigterm"]["run_files"]
-    assert "engine imports" in json.loads((out / "bench_cuda.json").read_text())["training"]["skipped"]
     assert not list(tmp_path.glob("gpu_check.*"))
 
 
@@ -262,24 +294,21 @@ BUDGET = 75  # the step-budget run's GPU_CHECK_SECONDS (step_past_its_time)
 
 @pytest.fixture(scope="module")
 def step_past_its_time(tmp_path_factory):
-    """gpu_check.sh with GPU_CHECK_SECONDS=BUDGET and a train.py that hangs (a PYTHON wrapper sleeps instead;
-    pytest answers at once), started when first requested and left to run: it waits, it does not compute, so
+    """gpu_check.sh with GPU_CHECK_SECONDS=BUDGET and a first measurement that hangs (a PYTHON wrapper sleeps
+    instead of `scripts.gpu_probes ... step`), started when first requested and left to run: it waits, it does not compute, so
     the full dry run, which requests it, runs beside it instead of this file's worker idling for BUDGET s.
     Yields a function that waits for it and returns (exit status, seconds it ran, its OUT folder, console).
 
     The budget must leave what runs before the training (the environment and deps steps and the deps
     listing: real imports, 7 s on an idle machine) the 10 s a step needs: on a loaded CI machine they took
     36 s (with pytest-xdist's other worker running 16 gloo processes), and a budget of 45 s (20 s before that)
-    skipped the training instead of timing it out."""
+    skipped the step instead of timing it out."""
     folder = tmp_path_factory.mktemp("past_its_time")
     wrapper = folder / "python"
     wrapper.write_text(f"""#!/bin/bash
-for argument in "$@"; do
-  case $argument in
-    train.py) exec sleep 300 ;;
-    pytest) echo "1 passed in 0.01s"; exit 0 ;;
-  esac
-done
+case " $* " in
+  *" scripts.gpu_probes "*" step "*) exec sleep 300 ;;
+esac
 exec {sys.executable} "$@"
 """)
     wrapper.chmod(0o755)
@@ -308,20 +337,41 @@ exec {sys.executable} "$@"
 
 @pytest.mark.slow
 def test_a_step_past_its_time_is_stopped_and_the_rest_reported(step_past_its_time):
-    """The training is stopped at the deadline (TIMEOUT), the steps after it are recorded as not run, every file
-    is there, and the whole run ends within the budget plus timeout's kill grace."""
+    """The first measurement is stopped at the deadline (TIMEOUT), the steps after it are recorded as not run,
+    every file is there, and the whole run ends within the budget plus timeout's kill grace."""
     returncode, elapsed, out, console = step_past_its_time()
     steps = summary_lines(out)
     check_file_set(out, steps)
     assert returncode == 1, console
-    first = steps["train_fp16_resume"]
+    first = steps["step"]
     assert first[0] == "TIMEOUT" and first[1].startswith("stopped after"), console
-    for step in (*TRAININGS[1:3], *PROBES, *STEPS_AFTER_TESTS):
-        assert steps[step] == ("SKIPPED", f"not run: the {BUDGET} s budget of all steps is spent"), (step, console)
-    assert json.loads((out / "train_metrics.json").read_text())["train_fp16_resume"]["outcome"] == "timed out"
-    assert json.loads((out / "bench_cuda.json").read_text())["gpu_check"]["outcome"].startswith("not run")
-    assert elapsed < BUDGET + 10 + 15, elapsed  # budget, timeout's kill grace, the bookkeeping
+    later = FIXED_STEPS[FIXED_STEPS.index("step") + 1:] + [f"cuda_tests:{f}" for f in cuda_test_files()]
+    for step in later:
+        assert steps[step] == ("SKIPPED", f"not run: no time left of the {BUDGET} s for all steps"), (step, console)
+    measured = json.loads((out / "measurements.json").read_text())
+    assert measured["step"]["outcome"] == "timed out" and measured["step"]["record"] is None
+    assert measured["tf32"]["outcome"] == "not run: no time left"
+    assert json.loads((out / "train_metrics.json").read_text())["train_fp16_resume"]["outcome"] == "not run: no time left"
+    assert elapsed < BUDGET + 5 + 15, elapsed  # budget, timeout's kill grace, the bookkeeping
     assert not list(out.parent.glob("gpu_check.*"))
+
+
+def test_a_plan_over_nine_minutes_is_refused(tmp_path):
+    """The slices must add up to at most RESERVED_LIMIT: a plan that does not is a usage error, before anything
+    runs or is created."""
+    script = (tmp_path / "scripts")
+    script.mkdir()
+    text = SCRIPT.read_text()
+    block = text[text.index('PLAN="'):text.index('"', text.index('PLAN="') + 6)]
+    reserved = sum(int(line.split()[1]) for line in block[6:].splitlines())
+    assert reserved <= RESERVED_LIMIT
+    seconds = int(re.search(r"^step (\d+)$", block, re.M).group(1))
+    (script / "gpu_check.sh").write_text(re.sub(r"^step \d+$", "step 600", text, count=1, flags=re.M))
+    result = subprocess.run(["bash", str(script / "gpu_check.sh"), "--dry-run", "out"], capture_output=True, text=True,
+                            timeout=30, cwd=tmp_path)
+    expected = f"its PLAN reserves {reserved - seconds + 600} s, more than {RESERVED_LIMIT} s"
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")
@@ -384,3 +434,31 @@ def test_gpu_wheels_compiled_parts_import_on_python_312(downloaded_wheels, tmp_p
     imported = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
                               env=dict(os.environ, PYTHONPATH=str(target)))
     assert imported.stdout.strip() == gpu_wheels.pinned()["pydantic"], imported.stderr
+
+
+@pytest.mark.slow
+def test_a_long_log_is_capped_and_its_result_kept(tmp_path):
+    """A probe that prints megabytes: its log keeps the head and the tail (RESULT and RECORD lines included)
+    with the cut marked, so that the file comes back whatever a step prints."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"""#!/bin/bash
+case " $* " in
+  *" scripts.gpu_probes "*" tf32 "*)
+    yes "a line of a probe that talks too much" | head -n 200000
+    echo 'RECORD: {{"lines": 200000}}'
+    echo "RESULT: said everything"
+    exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    environment = {**os.environ, "PYTHON": str(wrapper), "LOG_CAP_KIB": "8", "TMPDIR": str(tmp_path)}
+    result = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--steps", "tf32", str(tmp_path / "out")],
+                            env=environment, capture_output=True, text=True, timeout=300)
+    out = tmp_path / "out"
+    log = (out / "probes.txt").read_text()
+    assert len(log) < 10 * 1024 and "bytes cut here" in log, len(log)
+    assert log.index("a line of a probe") < log.index("bytes cut here") < log.index("RESULT: said everything")
+    assert summary_lines(out)["tf32"] == ("SKIPPED", "dry run: no CUDA device; measured on the CPU (said everything)"), \
+        result.stdout + result.stderr
+    assert json.loads((out / "measurements.json").read_text())["tf32"]["record"] == {"lines": 200000}
