@@ -262,6 +262,10 @@ def test_dry_run_installs_the_wheels_offline_and_runs_every_step(tmp_path, venv_
     slices = plan(out)
     for log, names in (("measurements.txt", MEASUREMENTS), ("probes.txt", ["fused_grad", "compile_syncbn", "tf32"])):
         assert max(timeouts(out / log)) <= max(slices[name] for name in names) * DRY_SCALE, log
+    for log in ("measurements.txt", "probes.txt", "train.txt"):  # each probe's inner deadline inside its timeout
+        for inner, limit in re.findall(r"^=== .*scripts\.gpu_probes --deadline (\d+) .*\(timeout (\d+) s\)$",
+                                       (out / log).read_text(), re.M):
+            assert int(inner) <= int(limit) - 5, (log, inner, limit)
     assert "img/s" in steps["step"][1] and "MFU not computed: no bf16 peak known for cpu" in steps["step"][1]
     assert "ours / bn" in steps["step_norms"][1] and "A/A" in steps["step_norms"][1]
     assert "{'one process': 0, 'synchronized': 0}" in steps["host_syncs"][1]
@@ -462,3 +466,24 @@ exec {sys.executable} "$@"
     assert summary_lines(out)["tf32"] == ("SKIPPED", "dry run: no CUDA device; measured on the CPU (said everything)"), \
         result.stdout + result.stderr
     assert json.loads((out / "measurements.json").read_text())["tf32"]["record"] == {"lines": 200000}
+
+
+def test_a_probe_past_its_inner_deadline_says_so_and_stops_its_children(tmp_path):
+    """--deadline: the probe's own limit. A two-process probe given 4 s prints the RESULT line that says it was
+    stopped, kills the ranks it started and exits 1, long before the ranks would have finished."""
+    marker = tmp_path / "ranks"
+    code = ("import sys, time, multiprocessing as mp\n"
+            "from scripts import gpu_probes\n"
+            "gpu_probes._start_deadline(4, 'sleepy')\n"
+            f"ranks = [mp.get_context('spawn').Process(target=time.sleep, args=(120,)) for _ in range(2)]\n"
+            "[rank.start() for rank in ranks]\n"
+            f"open({str(marker)!r}, 'w').write(' '.join(str(rank.pid) for rank in ranks))\n"
+            "time.sleep(120)\n")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 1 and time.monotonic() - started < 30, result.stdout + result.stderr
+    assert "RESULT: sleepy stopped by its inner deadline of 4 s" in result.stdout
+    time.sleep(0.5)
+    for pid in map(int, marker.read_text().split()):
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), pid
