@@ -1,4 +1,4 @@
-"""The data checks that the start of training and scripts/verify_dataset.py share, one function per check,
+"""The data checks that the start of training and `python -m syncseg verify` share, one function per check,
 so that both give the same warning in the same words: how the split lists its files (names listed twice,
 two images of one name) and how the config reads the images as their files store them (16-bit files
 cut to 8 bits, fewer channels than data.in_channels, values above data.max_value). The masks' own
@@ -113,7 +113,7 @@ def image_format_warnings(formats: Sequence[StoredFormat], image_format: ImageFo
         which = (f"{description}: {len(group.paths)} of the {num_checked} images checked ({named(group.paths)}) "
                  f"{'are' if len(group.paths) > 1 else 'is'}")
         as_stored = (f"to read them as stored, set data.in_channels={group.channels} and data.max_value={scale} "
-                     "(scripts/verify_dataset.py prints these with their data.mean and data.std)")
+                     "(`python -m syncseg verify` prints these with their data.mean and data.std)")
         reads = f"data.in_channels={image_format.channels} with data.max_value={image_format.max_value}"
         if image_format.is_rgb8 and group.bits == 16:
             warnings.append(f"{which} 16-bit (values up to {group.largest:g}) but {reads} reads images as 8-bit RGB: "

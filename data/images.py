@@ -200,7 +200,7 @@ def _check_colour_readable(path: str | os.PathLike, image_format: ImageFormat) -
         f"image '{path}' is a TIFF of {layout.bands} bands ({layout.bits}-bit), but data.in_channels="
         f"{image_format.channels} with data.max_value={image_format.max_value} reads images as 8-bit RGB, from "
         f"files of 1 to {COLOUR_READER_CHANNELS} channels; to read it as stored, set data.in_channels="
-        f"{layout.bands} and data.max_value to {scale} (scripts/verify_dataset.py prints these with their "
+        f"{layout.bands} and data.max_value to {scale} (`python -m syncseg verify` prints these with their "
         "data.mean and data.std)")
 
 
@@ -254,7 +254,7 @@ def _check_format(image: np.ndarray, path: str | os.PathLike, image_format: Imag
     expected = image_format.dtype
     if image.dtype != expected:
         fix = ("set data.max_value to their full scale, e.g. 4095 for 12-bit or 65535 for 16-bit values "
-               "(scripts/verify_dataset.py prints it)" if expected is np.uint8 else
+               "(`python -m syncseg verify` prints it)" if expected is np.uint8 else
                "8-bit images take data.max_value <= 255")
         raise BadSampleError(f"image '{path}' is {_bits(image.dtype)}-bit but data.max_value={image_format.max_value} "
                              f"expects {_bits(expected)}-bit images; {fix}")

@@ -183,7 +183,7 @@ class MaskDecoder:
         if not self.has_raw_table:
             message += ("; if the masks store classes as other values (grey levels such as 0, 85, 170, 255), map "
                         "each value to its class with data.label_map (e.g. data.label_map=85:1,170:2,255:3; "
-                        "scripts/verify_dataset.py suggests one)")
+                        "`python -m syncseg verify` suggests one)")
         return message
 
     def _colours_to_labels(self, codes: np.ndarray, path: str | os.PathLike) -> np.ndarray:

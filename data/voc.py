@@ -4,7 +4,7 @@ Layout under `root` (a `VOC2012` folder; a `VOCdevkit` folder holding one works 
     JPEGImages/<id>.jpg
     SegmentationClass/<id>.png          palette PNGs, read as class indices (255 = boundary/ignore)
     ImageSets/Segmentation/{train,val,trainval}.txt
-    SegmentationClassAug/<id>.png       split `train_aug` only (built by scripts/prepare_voc.py)
+    SegmentationClassAug/<id>.png       split `train_aug` only (built by `python -m syncseg prepare-voc`)
     ImageSets/Segmentation/train_aug.txt
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ LAYOUT = (
     "expected a VOC2012 folder with JPEGImages/<id>.jpg, SegmentationClass/<id>.png and "
     "ImageSets/Segmentation/<split>.txt (split train | val | trainval); split train_aug also needs "
     "SegmentationClassAug/<id>.png and ImageSets/Segmentation/train_aug.txt, built by "
-    "`python scripts/prepare_voc.py --voc-root VOC2012 --sbd-root benchmark_RELEASE`"
+    "`python -m syncseg prepare-voc --voc-root VOC2012 --sbd-root benchmark_RELEASE`"
 )
 
 

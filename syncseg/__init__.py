@@ -10,12 +10,17 @@ The Python API (syncseg/api.py), importable from here:
     demo_image()                           an image of the demo's synthetic shapes
 
 Importing syncseg imports nothing else: each name loads its module on first use, so `import syncseg` is
-instant and `syncseg.load_config` does not import torch.
+instant and `syncseg.load_config` does not import torch. Its one effect: in a checkout that is not installed,
+`syncseg.model` and `syncseg.data` are found in the checkout's top-level folders (syncseg/layout.py).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from syncseg.layout import install_checkout_finder
+
+install_checkout_finder()
 
 _PUBLIC = {
     "build_model": "syncseg.api", "train": "syncseg.api", "load_model": "syncseg.api", "predict": "syncseg.api",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("syncseg/engine", "syncseg/commands", "model", "data", "scripts")
+PACKAGES = ("syncseg", "model", "data", "scripts")
 
 
 # the sync_batchnorm distribution's own tests, and the build folder `pip install ./model/sync_batchnorm` leaves

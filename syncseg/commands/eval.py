@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                "data.root=/data/VOCdevkit/VOC2012",
     )
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py (or a "
-                                                            ".safetensors file from scripts/export.py)")
+                                                            ".safetensors file from `python -m syncseg export`)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu; "
                                          "under torchrun each process uses cuda:LOCAL_RANK)")
     parser.add_argument("--split", help="dataset split to evaluate (default: the config's data.val_split)")

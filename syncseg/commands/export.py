@@ -1,8 +1,8 @@
 """Export a checkpoint (best.pt or last.pt) for deployment, and check the file against PyTorch.
 
-    python scripts/export.py --checkpoint runs/demo/best.pt --format onnx
-    python scripts/export.py --checkpoint runs/voc/best.pt --format exported --size 513,513 --output voc.pt2
-    python scripts/export.py --checkpoint runs/voc/best.pt --format safetensors   (weights for a release)
+    python -m syncseg export --checkpoint runs/demo/best.pt --format onnx
+    python -m syncseg export --checkpoint runs/voc/best.pt --format exported --size 513,513 --output voc.pt2
+    python -m syncseg export --checkpoint runs/voc/best.pt --format safetensors   (weights for a release)
 
 The model takes normalized float32 images N x C x H x W (C = the checkpoint's data.in_channels; x /
 data.max_value, then (x - mean) / std with its data.mean / data.std; the file's metadata repeats them
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Export a syncseg checkpoint to ONNX, TorchScript, torch.export or safetensors, checked "
                     "against PyTorch.",
-        epilog="Example: python scripts/export.py --checkpoint runs/demo/best.pt --format onnx --size 96,96")
+        epilog="Example: python -m syncseg export --checkpoint runs/demo/best.pt --format onnx --size 96,96")
     parser.add_argument("--checkpoint", required=True, help="a .pt file written by train.py (best.pt or last.pt)")
     parser.add_argument("--format", required=True, choices=EXPORT_FORMATS.names(),
                         help="; ".join(f"{name} ({entry.description})" for name, entry in EXPORT_FORMATS.items()))
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt=TIME_FORMAT)
     for chatty in ("onnx_ir", "onnxscript", "torch.onnx", "torch.export", "torch._export"):  # per-pass notes
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    return run_command("export.py", lambda: run(args))
+    return run_command("syncseg-export", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Run a trained checkpoint on your own images: color masks and overlays, any image size.
 
-    python scripts/predict.py --checkpoint runs/voc/best.pt --input photo.jpg --output out/ --legend
-    python scripts/predict.py --checkpoint runs/cityscapes/best.pt --input frames/ --output out/ --mode slide
+    python -m syncseg predict --checkpoint runs/voc/best.pt --input photo.jpg --output out/ --legend
+    python -m syncseg predict --checkpoint runs/cityscapes/best.pt --input frames/ --output out/ --mode slide
 
 For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored with
 the dataset palette) and <output>/<name>_overlay.png (the photo with the color of each class blended in at
@@ -56,7 +56,7 @@ class Outcome:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Predict segmentation masks for images with a trained checkpoint.")
     parser.add_argument("--checkpoint", required=True, help="best.pt or last.pt written by train.py (or a "
-                                                            ".safetensors file from scripts/export.py)")
+                                                            ".safetensors file from `python -m syncseg export`)")
     parser.add_argument("--input", required=True, help="an image file or a folder of images (searched recursively)")
     parser.add_argument("--output", required=True, help="folder for <name>_mask.png and <name>_overlay.png")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("wrote masks and overlays for %d image(s) to %s", outcome.num_written, args.output)
         return 0
 
-    return run_command("predict.py", body)
+    return run_command("syncseg-predict", body)
 
 
 def run(args: argparse.Namespace) -> Outcome:

@@ -1,6 +1,6 @@
 """Build VOC2012 `train_aug` (the 10,582-image SBD-augmented training set) from an extracted SBD release.
 
-    python scripts/prepare_voc.py --voc-root data/VOCdevkit/VOC2012 --sbd-root data/benchmark_RELEASE
+    python -m syncseg prepare-voc --voc-root data/VOCdevkit/VOC2012 --sbd-root data/benchmark_RELEASE
 
 Inputs: the VOC2012 folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/{train,val}.txt) and
 SBD (`benchmark_RELEASE/dataset/cls/<id>.mat`, with dataset/{train,val}.txt). Output, inside the VOC
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from syncseg.engine.cli import TIME_FORMAT, run_command  # exit statuses and error lines: syncseg/engine/cli.py
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt=TIME_FORMAT)
-    return run_command("prepare_voc.py", lambda: _prepare_and_report(args))
+    return run_command("syncseg-prepare-voc", lambda: _prepare_and_report(args))
 
 
 def _prepare_and_report(args: argparse.Namespace) -> int:

@@ -15,9 +15,9 @@ data.std (it measures them). A WARNING says when the config reads the images oth
 2-channel files read as 8-bit RGB), naming the files; an unreadable file is one BAD line naming it and why,
 without the image libraries' own log lines.
 
-    python scripts/verify_dataset.py --config voc.yaml data.root=/data/VOCdevkit/VOC2012
-    python scripts/verify_dataset.py --config cityscapes.yaml --splits val --workers 8 --output stats.json
-    python scripts/verify_dataset.py --config ade20k.yaml data.root=/data/ADEChallengeData2016
+    python -m syncseg verify --config voc.yaml data.root=/data/VOCdevkit/VOC2012
+    python -m syncseg verify --config cityscapes.yaml --splits val --workers 8 --output stats.json
+    python -m syncseg verify --config ade20k.yaml data.root=/data/ADEChallengeData2016
 
 Exit status and error lines: syncseg/engine/cli.py (0 every sample is good; 1 some are bad (each is listed),
 or --output cannot be written (named); 2 the dataset or config cannot be opened). A count that
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from syncseg.engine.cli import run_command
 
-    return run_command("verify_dataset.py", lambda: verify(args))
+    return run_command("syncseg-verify", lambda: verify(args))
 
 
 def verify(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ moments are each as large as the weights). It loads with `weights_only=True`, so
 Files are written atomically (syncseg.engine.atomic: a temporary file in the same folder, fsync, os.replace), so an
 existing checkpoint is either the old one or the new one, never half-written; they get the mode a
 plain `open()` would give (0644 under umask 022), so teammates on a shared cluster can read them.
-A `.safetensors` file written by `scripts/export.py --format safetensors` loads here too.
+A `.safetensors` file written by `python -m syncseg export --format safetensors` loads here too.
 
 What uses the files lives elsewhere: a training run's writing (syncseg.engine.checkpointer.Checkpointer), loading
 for inference (syncseg.engine.inference_model.load_inference_model), fine-tuning from `load_weights_file`

@@ -1,5 +1,5 @@
-"""The error contract of every command line (train.py, eval.py, scripts/predict.py, scripts/export.py,
-scripts/verify_dataset.py, scripts/prepare_voc.py): what a failure prints and the status it exits with, stated once here.
+"""The error contract of every command line (train.py, eval.py, `python -m syncseg predict`, `python -m syncseg export`,
+`python -m syncseg verify`, `python -m syncseg prepare-voc`): what a failure prints and the status it exits with, stated once here.
 
 Exit statuses:
 

@@ -105,7 +105,7 @@ def test_the_8_bit_rgb_reader_names_a_tiff_of_more_bands_than_it_reads_without_t
     assert str(error.value) == (
         f"image '{tmp_path / 'many.tif'}' is a TIFF of {bands} bands ({bits}-bit), but data.in_channels=3 with "
         "data.max_value=255 reads images as 8-bit RGB, from files of 1 to 4 channels; to read it as stored, set "
-        f"data.in_channels={bands} and data.max_value to {scale} (scripts/verify_dataset.py prints these with their "
+        f"data.in_channels={bands} and data.max_value to {scale} (`python -m syncseg verify` prints these with their "
         "data.mean and data.std)")
     make_image_folder(tmp_path / "folder", [np.moveaxis(image, 0, -1)], suffix=".tif")
     dataset = data.FolderSegmentation(tmp_path / "folder", "all", num_classes=2)

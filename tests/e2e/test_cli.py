@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-PYTHON_CLIS = ["train.py", "eval.py", "scripts/predict.py", "scripts/export.py", "scripts/verify_dataset.py",
-               "scripts/prepare_voc.py"]
+PYTHON_CLIS = ["train.py", "eval.py"]
+# python -m syncseg <command> (syncseg/__main__.py)
+SYNCSEG_COMMANDS = ["train", "eval", "predict", "export", "verify", "prepare-voc"]
 MODULES = ["syncseg.commands.train", "syncseg.commands.eval", "syncseg.commands.predict", "syncseg.commands.export", "syncseg.commands.verify_dataset", "syncseg.commands.prepare_voc"]
 BENCHMARKS = ["benchmarks.bench_syncbn", "benchmarks.bench_model", "benchmarks.bench_data", "benchmarks.bench_eval",
               "benchmarks.bench_train", "benchmarks.bench_cuda", "benchmarks.bench_host_syncs"]
@@ -34,7 +35,8 @@ def _child_cpu_seconds(command: list[str]) -> tuple[subprocess.CompletedProcess,
 
 
 @pytest.mark.parametrize("command", [[sys.executable, path] for path in PYTHON_CLIS]
-                         + [[sys.executable, "-m", "syncseg.commands.predict"], [sys.executable, "-m", "syncseg.commands.export"],
+                         + [[sys.executable, "-m", "syncseg", name] for name in SYNCSEG_COMMANDS]
+                         + [[sys.executable, "-m", "syncseg"], [sys.executable, "-m", "syncseg.commands.predict"],
                             ["bash", "scripts/gpu_check.sh"]], ids=lambda command: " ".join(command[1:]))
 def test_help_is_fast_and_exits_zero(command):
     process, seconds = _child_cpu_seconds([*command, "--help"])
@@ -122,16 +124,18 @@ def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, cap
 
 
 # ------------------------------------------------------------------ the error contract (syncseg/engine/cli.py)
-CONTRACT_CLIS = {"eval.py": "syncseg.commands.eval", "scripts/predict.py": "syncseg.commands.predict", "scripts/export.py": "syncseg.commands.export",
-                 "scripts/verify_dataset.py": "syncseg.commands.verify_dataset", "scripts/prepare_voc.py": "syncseg.commands.prepare_voc"}
-WORK_FUNCTION = {"scripts/verify_dataset.py": "verify", "scripts/prepare_voc.py": "prepare"}  # default: run
+# each command's prog in its error lines -> its module
+CONTRACT_CLIS = {"eval.py": "syncseg.commands.eval", "syncseg-predict": "syncseg.commands.predict",
+                 "syncseg-export": "syncseg.commands.export", "syncseg-verify": "syncseg.commands.verify_dataset",
+                 "syncseg-prepare-voc": "syncseg.commands.prepare_voc"}
+WORK_FUNCTION = {"syncseg-verify": "verify", "syncseg-prepare-voc": "prepare"}  # default: run
 ERROR_LINE = re.compile(r"\d\d:\d\d:\d\d (\S+): error: (.*)")
 
 
 @pytest.mark.parametrize("path", ["train.py", *CONTRACT_CLIS])
 def test_every_cli_points_to_the_contract_and_prints_no_error_line_of_its_own(path):
-    source = (ROOT / path).read_text()
-    docstring = importlib.import_module(CONTRACT_CLIS.get(path, "syncseg.commands.train")).__doc__
+    module = importlib.import_module(CONTRACT_CLIS.get(path, "syncseg.commands.train"))
+    source, docstring = Path(module.__file__).read_text(), module.__doc__
     assert "syncseg/engine/cli.py" in docstring, f"{path}'s docstring does not point to syncseg/engine/cli.py for its exit status"
     assert not re.search(r"""print\(f?["'][^"']*error:""", source), f"{path} formats an error line itself"
 
@@ -163,7 +167,7 @@ def test_every_cli_maps_failures_to_the_contract(path, raised, code, message, tm
         import syncseg.engine.distributed
 
         monkeypatch.setattr(syncseg.engine.distributed, "detect_launch", lambda: type("Launch", (), {"world_size": 1})())
-    prog = Path(path).name
+    prog = path
     assert module.main(_contract_arguments(CONTRACT_CLIS[path], tmp_path)) == code
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
@@ -178,7 +182,7 @@ def test_verify_dataset_errors_follow_the_contract(tmp_path, capsys):
     assert verify.main(["--config", "demo.yaml", "data.root_typo=1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     prog, message = ERROR_LINE.fullmatch(line).groups()
-    assert prog == "verify_dataset.py" and "data.root_typo" in message
+    assert prog == "syncseg-verify" and "data.root_typo" in message
     blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
     blocker.write_text("not a folder")
     output = blocker / "sub" / "stats.json"
@@ -186,4 +190,4 @@ def test_verify_dataset_errors_follow_the_contract(tmp_path, capsys):
                         "--output", str(output)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and ERROR_LINE.fullmatch(err[0]).groups() == (
-        "verify_dataset.py", f"could not write statistics '{output}': Not a directory: '{blocker / 'sub'}'")
+        "syncseg-verify", f"could not write statistics '{output}': Not a directory: '{blocker / 'sub'}'")

@@ -1,6 +1,6 @@
 """What users keep and share: best.pt of the demo model is the weights (about a third of last.pt, which
 adds AdamW's two moments and the RNG state), and best.pt and last.pt both load in eval.py, predict.py,
-scripts/export.py and model.init_checkpoint."""
+`python -m syncseg export` and model.init_checkpoint."""
 from __future__ import annotations
 
 import importlib

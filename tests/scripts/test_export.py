@@ -1,4 +1,4 @@
-"""scripts/export.py: the CLI on a checkpoint it is given (the formats' numerics: tests/engine/test_export.py)."""
+"""`python -m syncseg export`: the CLI on a checkpoint it is given (the formats' numerics: tests/engine/test_export.py)."""
 from __future__ import annotations
 
 import importlib
@@ -23,7 +23,7 @@ def _script():
 def _error_lines(capsys) -> list[str]:
     """stderr's lines, each an error line, without its HH:MM:SS stamp (which each must have)."""
     lines = capsys.readouterr().err.strip().splitlines()
-    assert all(re.match(r"\d\d:\d\d:\d\d export\.py: error: ", line) for line in lines), lines
+    assert all(re.match(r"\d\d:\d\d:\d\d syncseg-export: error: ", line) for line in lines), lines
     return [line.split(" ", 1)[1] for line in lines]
 
 
@@ -105,7 +105,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_an_earlier_export_there_sta
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output),
                            "--size", "32,32"]) == 1
     what = "safetensors file" if fmt == "safetensors" else "export"
-    assert _error_lines(capsys) == [f"export.py: error: could not write {what} '{output}': No space left on "
+    assert _error_lines(capsys) == [f"syncseg-export: error: could not write {what} '{output}': No space left on "
                                     "device; the previous file there (if any) is unchanged"]
     assert output.read_bytes() == b"an earlier export"
     assert sorted(p.name for p in small_disk.iterdir()) == [output.name]  # no temporary file left
@@ -133,7 +133,7 @@ def test_a_name_the_loaders_would_misread_is_refused_before_anything_is_written(
     output = folder / name
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 2
     (error,) = _error_lines(capsys)
-    assert error.startswith(f"export.py: error: --format {fmt}: ")
+    assert error.startswith(f"syncseg-export: error: --format {fmt}: ")
     assert fragment.format(output=output, folder=folder) in error
     assert not folder.exists()  # nothing written, not even the folder
 
@@ -153,7 +153,7 @@ def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_p
     monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", corrupting)
     output = tmp_path / "release.safetensors"
     assert _script().main(["--checkpoint", str(checkpoint), "--format", "safetensors", "--output", str(output)]) == 1
-    assert _error_lines(capsys) == [f"export.py: error: '{output}' does not hold the checkpoint's tensors; removed it"]
+    assert _error_lines(capsys) == [f"syncseg-export: error: '{output}' does not hold the checkpoint's tensors; removed it"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -173,9 +173,9 @@ def test_an_unwritable_output_names_the_path_before_reading_the_checkpoint(check
     output = blocker / "sub" / f"model{'.safetensors' if fmt == 'safetensors' else '.pt'}"
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 1
     what = "safetensors file" if fmt == "safetensors" else "export"
-    assert _error_lines(capsys) == [f"export.py: error: could not write {what} '{output}': Not a directory: "
+    assert _error_lines(capsys) == [f"syncseg-export: error: could not write {what} '{output}': Not a directory: "
                                     f"'{blocker / 'sub'}'"]
     output = blocker / output.name  # in the regular file's place: mkdir says "File exists"
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 1
-    assert _error_lines(capsys) == [f"export.py: error: could not write {what} '{output}': '{blocker}' exists and is "
+    assert _error_lines(capsys) == [f"syncseg-export: error: could not write {what} '{output}': '{blocker}' exists and is "
                                     "not a folder"]

@@ -1,4 +1,4 @@
-"""scripts/predict.py: masks and overlays for arbitrary images with a checkpoint it is given."""
+"""`python -m syncseg predict`: masks and overlays for arbitrary images with a checkpoint it is given."""
 from __future__ import annotations
 
 import importlib
@@ -185,7 +185,7 @@ def test_a_full_disk_is_one_line_naming_the_image_and_leaves_no_partial_file(che
                                 "--device", "cpu", "data.base_size=64"])
     assert code == 1
     error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and re.match(rf"\d\d:\d\d:\d\d predict\.py: error: could not write image '{small_disk}/",
+    assert len(error) == 1 and re.match(rf"\d\d:\d\d:\d\d syncseg-predict: error: could not write image '{small_disk}/",
                                         error[0]), error
     assert error[0].endswith(": No space left on device; the previous file there (if any) is unchanged")
     written = sorted(p.name for p in small_disk.iterdir())
@@ -198,7 +198,7 @@ def test_a_full_disk_is_one_line_naming_the_image_and_leaves_no_partial_file(che
 def _error_lines(capsys) -> list[str]:
     """stderr's error lines without their HH:MM:SS stamp (which each must have)."""
     lines = [line for line in capsys.readouterr().err.strip().splitlines() if ": error: " in line]
-    assert all(re.match(r"\d\d:\d\d:\d\d predict\.py: error: ", line) for line in lines), lines
+    assert all(re.match(r"\d\d:\d\d:\d\d syncseg-predict: error: ", line) for line in lines), lines
     return [line.split(" ", 1)[1] for line in lines]
 
 
@@ -221,7 +221,7 @@ def test_an_unreadable_image_in_a_folder_is_skipped_and_counted(checkpoint, tmp_
     assert len(warnings) == 2 and all("skipping" in w for w in warnings), warnings
     assert str(inputs / "b.png") in warnings[0] and "not an image" in warnings[0]
     (error,) = _error_lines(capsys)
-    assert error.startswith(f"predict.py: error: 2 of 4 image(s) could not be read and were skipped "
+    assert error.startswith(f"syncseg-predict: error: 2 of 4 image(s) could not be read and were skipped "
                             f"({inputs / 'b.png'}, {inputs / 'd.jpg'}; ")
     assert error.endswith(f"wrote masks and overlays for the other 2 to {out}")
 
@@ -243,7 +243,7 @@ def test_a_single_unreadable_input_file_is_a_bad_input(checkpoint, tmp_path, cap
     assert _load_script().main(["--checkpoint", str(checkpoint[0]), "--input", str(tmp_path / "broken.png"),
                                 "--output", str(tmp_path / "out"), "--device", "cpu"]) == 2
     (error,) = _error_lines(capsys)
-    assert error.startswith(f"predict.py: error: cannot read image '{tmp_path / 'broken.png'}'")
+    assert error.startswith(f"syncseg-predict: error: cannot read image '{tmp_path / 'broken.png'}'")
 
 
 def test_an_unwritable_output_names_the_path_before_loading_the_model(checkpoint, tmp_path, capsys, monkeypatch):
@@ -259,7 +259,7 @@ def test_an_unwritable_output_names_the_path_before_loading_the_model(checkpoint
     out = blocker / "sub"
     assert _load_script().main(["--checkpoint", str(checkpoint[0]), "--input", str(tmp_path / "y.png"),
                                 "--output", str(out), "--device", "cpu"]) == 1
-    assert _error_lines(capsys) == [f"predict.py: error: could not write masks and overlays under '{out}': "
+    assert _error_lines(capsys) == [f"syncseg-predict: error: could not write masks and overlays under '{out}': "
                                     "Not a directory"]
 
 

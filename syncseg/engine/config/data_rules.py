@@ -100,4 +100,4 @@ def _check_image_format(data: Any, source: str) -> None:
             default = " (ImageNet's RGB values, the default)" if values in (IMAGENET_MEAN, IMAGENET_STD) else ""
             raise ValueError(f"{source}: {key} has {len(values)} value(s){default} but data.in_channels="
                              f"{data.in_channels}; give one value per channel, in units of data.max_value "
-                             "(scripts/verify_dataset.py prints them)")
+                             "(`python -m syncseg verify` prints them)")

@@ -23,10 +23,11 @@ from syncseg.data.constants import (IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, M
 from syncseg.data.registry import DATASET_KINDS
 from syncseg.engine.config.data_rules import check_data_for_its_kind
 from syncseg.engine.registry import LOSS_TERMS
+from syncseg.layout import config_dir
 from syncseg.model.registry import BACKBONES, HEADS, NORMS
 from syncseg.registry import Registry
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = config_dir()
 
 # autocast for training (train.amp) and inference (eval.amp); auto: by the device's capability
 # (syncseg.engine.devices.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32);
