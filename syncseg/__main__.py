@@ -14,7 +14,7 @@ COMMANDS = {
     "train": ("train", "train a DeepLab model from a config (resumable; torchrun, Slurm, --gpus)"),
     "eval": ("eval", "evaluate a checkpoint on its config's validation set (mIoU, per-class table)"),
     "predict": ("predict", "predict masks for an image or a folder of images with a checkpoint"),
-    "export": ("export", "export a checkpoint to ONNX, torch.export, TorchScript or safetensors, checked against PyTorch"),
+    "export": ("export", "a checkpoint as ONNX, torch.export, TorchScript or safetensors, checked against PyTorch"),
     "verify": ("verify_dataset", "check a data set against its config, one line per problem"),
     "prepare-voc": ("prepare_voc", "build VOC 2012 + SBD's trainaug split from the two downloads"),
 }

@@ -34,7 +34,8 @@ def test_no_link_in_the_packages_folders():
     found = []
     for top in ("syncseg", "model", "data", "configs", "scripts", "benchmarks", "docs", "tests"):
         for folder, names, files in os.walk(ROOT / top):
-            found += [str(Path(folder, name).relative_to(ROOT)) for name in names + files if Path(folder, name).is_symlink()]
+            found += [str(Path(folder, name).relative_to(ROOT)) for name in names + files
+                      if Path(folder, name).is_symlink()]
     assert found == []
 
 

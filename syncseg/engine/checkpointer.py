@@ -1,22 +1,32 @@
-"""Checkpointer: writes a training run's last.pt / best.pt and restores the RNG state from one.
+"""A training run's state in and out of its checkpoints: what last.pt holds, writing last.pt / best.pt, resuming.
 
-Saving checks every tensor of the model for inf / nan first (on every process: a non-finite model stops the
-run and leaves the last good checkpoint untouched), gathers every process's RNG state into last.pt, and
-writes best.pt as the `weights_payload` subset. syncseg.engine.trainer.Trainer.state_dict / load_state_dict
-are the rest of the pair; the file format is syncseg.engine.checkpoint's.
+`training_payload` is what a run's last.pt holds (Trainer.state_dict); `Checkpointer.save` checks every tensor of
+the model for inf / nan first (on every process: a non-finite model stops the run and leaves the last good
+checkpoint untouched), gathers every process's RNG state into last.pt, and writes best.pt as the
+`weights_payload` subset; `resume_training` puts a last.pt back into the parts and the RNG streams (reseeded
+when another number of processes resumes). The file format is syncseg.engine.checkpoint's.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from syncseg.engine.checkpoint import WEIGHTS_KEYS, save_checkpoint
+from syncseg.engine.accumulation import describe_world_change
+from syncseg.engine.checkpoint import FORMAT_VERSION, WEIGHTS_KEYS, save_checkpoint
+from syncseg.engine.config import Config, from_dict, to_dict
 from syncseg.engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
-from syncseg.engine.seeding import capture_rng_state, restore_rng_state
+from syncseg.engine.ema import best_after_decay_change
+from syncseg.engine.optim import load_optimizer_state
+from syncseg.engine.seeding import capture_rng_state, restore_rng_state, seed_process
+from syncseg.model.norm import synchronizes_statistics
+from syncseg.model.weights import load_model_weights
+
+if TYPE_CHECKING:
+    from syncseg.engine.build import TrainingParts
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +66,7 @@ class Checkpointer:
 
     def save(self, names: Iterable[str], state: Mapping[str, Any], *, best_metrics: Mapping[str, Any] | None,
              weights: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Write run_dir/<name> for each name: last.pt gets `state` (syncseg.engine.trainer.Trainer.state_dict) plus
+        """Write run_dir/<name> for each name: last.pt gets `state` (training_payload) plus
         every process's RNG state; best.pt `weights_payload(state, metrics=best_metrics)` with `weights`
         (e.g. the averaged ones) as its model when given.
 
@@ -85,9 +95,73 @@ class Checkpointer:
 
     def restore_rng(self, rng: Mapping[str, Any]) -> bool:
         """This process's RNG state from a checkpoint's `rng`; False, restoring nothing, when it was saved by
-        a different number of processes (the caller reseeds: syncseg.engine.trainer.Trainer.load_state_dict)."""
+        a different number of processes (the caller reseeds: resume_training)."""
         states = rng.get("per_rank") or []
         if len(states) != self.dist.world_size:
             return False
         restore_rng_state(states[self.dist.rank])
         return True
+
+
+def training_payload(parts: "TrainingParts", *, iteration: int, best_miou: float, run_id: str,
+                     overrides: Mapping[str, str], validation_due: bool) -> dict[str, Any]:
+    """What a run's last.pt holds at `iteration` (without the RNG states, which Checkpointer.save adds)."""
+    return {
+        "format_version": FORMAT_VERSION, "model": parts.model.state_dict(), "config": to_dict(parts.config),
+        "classes": list(parts.classes), "iteration": iteration,
+        "epoch": iteration // parts.sampler.batches_per_epoch, "best_miou": best_miou,
+        "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
+        "scaler": parts.scaler.state_dict(), "run_id": run_id, "overrides": dict(overrides),
+        "validation_due": validation_due,
+        **({"ema": parts.ema.state_dict()} if parts.ema is not None else {}),
+    }
+
+
+class ResumePoint(NamedTuple):
+    """Where a resumed run continues: its iteration, its best mIoU so far, and whether a stop left that
+    iteration's validation due."""
+
+    iteration: int
+    best_miou: float
+    validation_due: bool
+
+
+def resume_training(parts: "TrainingParts", state: Mapping[str, Any], *, checkpointer: Checkpointer) -> ResumePoint:
+    """Put a last.pt payload back into `parts`: weights, optimizer, schedule, scaler, the averaged weights, and this
+    process's RNG state (reseeded by reseed_for_world_size when another number of processes saved it). The
+    (possibly overridden) config of `parts` decides the base LR and weight decay from here on."""
+    saved = from_dict(state["config"])
+    load_model_weights(parts.model, state["model"], checkpoint=state.get("path", "resumed"),
+                       saved_model_cfg=saved.model, model_cfg=parts.config.model)
+    load_optimizer_state(parts.optimizer, state["optimizer"])
+    parts.scheduler.load_state_dict(state["scheduler"])
+    if state["scaler"]:
+        parts.scaler.load_state_dict(state["scaler"])
+    if parts.ema is not None:
+        parts.ema.resume(state.get("ema"), parts.model)
+    point = ResumePoint(int(state["iteration"]),
+                        best_after_decay_change(saved.train.ema_decay, parts.config.train.ema_decay,
+                                                float(state["best_miou"])),
+                        bool(state.get("validation_due", False)))
+    if not checkpointer.restore_rng(state["rng"]):
+        reseed_for_world_size(parts.config, parts.dist, iteration=point.iteration,
+                              saved_world_size=len(state["rng"].get("per_rank") or []))
+    return point
+
+
+def reseed_for_world_size(config: Config, dist_info: DistInfo, *, iteration: int, saved_world_size: int) -> None:
+    """A resume by another number of processes: the saved random streams cannot be dealt out, so each
+    process's come from (train.seed, rank, iteration); the data order does not depend on them."""
+    seed_process(config.train.seed, dist_info.rank, iteration=iteration)
+    if not dist_info.is_main:
+        return
+    if saved_world_size < 1:
+        logger.warning("the checkpoint holds no RNG states: each process's random streams reseeded from "
+                       "(train.seed, rank, iteration)")
+        return
+    model_cfg, train_cfg = config.model, config.train
+    global_statistics = dist_info.num_replicas == 1 or (  # as build.describe tells synchronized BN apart
+        synchronizes_statistics(model_cfg.norm) and model_cfg.syncbn_group_size in (0, dist_info.world_size))
+    logger.info(describe_world_change(
+        saved_world_size, dist_info.world_size, global_batch=train_cfg.batch_size, accumulate=train_cfg.accumulate,
+        num_replicas=dist_info.num_replicas, global_statistics=global_statistics))

@@ -1,4 +1,5 @@
-"""evaluate(): the one evaluation loop, used by train.py's validation and by eval.py.
+"""evaluate(): the one evaluation loop, used by train.py's validation and by eval.py; validate_during_training():
+a training run's validation with its logging.
 
 Its loader (syncseg.engine.samplers.build_eval_loader) yields (images N x C x H x W, uint8 or uint16, masks
 N x H x W: uint8 from the trainer's and eval.py's datasets where the labels fit, int64 otherwise); images are
@@ -13,7 +14,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +27,12 @@ from syncseg.engine.devices import cudnn_autotuning
 from syncseg.engine.distributed import all_reduce_sum, get_rank
 from syncseg.engine.inference import predict_batch
 from syncseg.engine.signals import Stopped, until_stop
+from syncseg.engine.visualize import prediction_grid
+
+if TYPE_CHECKING:
+    from syncseg.engine.build import TrainingParts
+    from syncseg.engine.reporting import MetricsLog
+    from syncseg.engine.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -107,3 +114,30 @@ def evaluate(
         results["classes"] = list(classes)
     return results
 
+
+
+def validate_during_training(parts: "TrainingParts", *, log: "MetricsLog", iteration: int, vis_indices: Sequence[int],
+                             stop: "StopRequest | None" = None) -> dict[str, Any] | None:
+    """A training run's validation at `iteration`: evaluate() on this process's validation shard (the same code path
+    as eval.py) and rank 0's TensorBoard grid of `vis_indices`, then logged (metrics.jsonl, TensorBoard, one log
+    line); the averaged weights when train.ema_decay > 0 (parts.eval_model). None, with nothing logged, when
+    `stop` ended it: agreed before every validation batch and once after the grid, which rank 0 draws alone
+    (asking only its own flag between images, since the other processes are not drawing)."""
+    classes, model, config = parts.classes, parts.eval_model, parts.config
+    should_stop = None if stop is None else stop.agreed
+    metrics = evaluate(model, parts.val_loader, num_classes=len(classes), device=parts.device,
+                       data_cfg=config.data, eval_cfg=config.eval, classes=classes, progress=False,
+                       should_stop=should_stop)
+    grid = None
+    if metrics is not None and parts.dist.is_main and vis_indices:
+        grid = prediction_grid(model, parts.val_set, list(vis_indices), device=parts.device, data_cfg=config.data,
+                               eval_cfg=config.eval, should_stop=None if stop is None else lambda: stop.requested)
+    if metrics is None or (should_stop is not None and should_stop()):
+        return None
+    if parts.dist.is_main:
+        log.validation(metrics, classes=classes, step=iteration)
+        if grid is not None:
+            log.image("val/image_truth_prediction", grid, step=iteration)
+        logger.info("iteration %d: val mIoU %.4f, pixel acc %.4f (%d images)", iteration,
+                    metrics["miou"], metrics["pixel_acc"], metrics["num_images"])
+    return metrics

@@ -221,6 +221,49 @@ class Throughput:
         return (time.perf_counter() - self.run_start) / done * (stop_at - iteration)
 
 
+class Stopwatch:
+    """Context manager that adds the seconds spent inside it to `seconds`, however the block ends."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+
+def training_record(losses: Mapping[int, float], *, iteration: int, interval: int, scheduler: Any, optimizer: Any,
+                    throughput: Throughput, device: torch.device) -> dict[str, Any]:
+    """The `train` record logged after step `iteration`: the mean loss of the last `interval` steps (those in
+    `losses`), each parameter group's rate the step used, images/s and data wait (throughput.window(), which
+    starts the next window), peak memory."""
+    recent = [losses[i] for i in range(iteration - interval + 1, iteration + 1) if i in losses]
+    factor = scheduler.factor(iteration - 1)  # the rate the last step used
+    images_per_s, data_wait = throughput.window()
+    return {
+        "loss": sum(recent) / max(1, len(recent)),
+        "lr": {group["name"]: group["initial_lr"] * factor for group in optimizer.param_groups},
+        "images_per_s": images_per_s,
+        "data_wait_fraction": data_wait,
+        "peak_memory_mb": peak_memory_mb(device),
+    }
+
+
+def log_training(log: MetricsLog, record: dict[str, Any], *, iteration: int, stop_at: int, eta: float, bar: Any,
+                 line_logger: logging.Logger | None) -> None:
+    """Log a `train` record (training_record) at `iteration`: metrics.jsonl and TensorBoard, and the progress bar's
+    loss and rate, or without a bar one progress_line to `line_logger` (the loop's; None on the other ranks)."""
+    log.scalars(record, step=iteration, prefix="train")
+    if bar is not None:
+        bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{next(iter(record['lr'].values()), 0.0):.2e}")
+    elif line_logger is not None:
+        line_logger.info("%s", progress_line(record, iteration=iteration, stop_at=stop_at, eta=eta))
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20

@@ -3,8 +3,9 @@
 `Trainer.from_config(config, dist_info).fit()` trains `config.train.iters` optimizer steps. A run stopped at
 iteration K and resumed computes the same losses as an uninterrupted run: the checkpoint holds the
 model, optimizer, scheduler, scaler, iteration and every process's RNG state (`state_dict` /
-`load_state_dict`, written by syncseg.engine.checkpointer.Checkpointer), and the data order is a function of
-(train.seed, epoch).
+`load_state_dict`: syncseg.engine.checkpointer's training_payload / resume_training, written by its
+Checkpointer), and the data order is a function of (train.seed, epoch). A stop that every process agreed on
+travels as one exception, StopTraining, from where it is seen to `fit`.
 """
 from __future__ import annotations
 
@@ -18,25 +19,19 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from syncseg.data.transforms import normalize_batch
-from syncseg.engine.accumulation import describe_world_change, gradient_sync, step_normalizer
+from syncseg.engine.accumulation import gradient_sync, step_normalizer
 from syncseg.engine.build import TrainingParts, build_training
-from syncseg.engine.checkpoint import FORMAT_VERSION
-from syncseg.engine.checkpointer import Checkpointer, non_finite_error
-from syncseg.engine.config import Config, from_dict, save_config, to_dict
+from syncseg.engine.checkpointer import Checkpointer, non_finite_error, resume_training, training_payload
+from syncseg.engine.config import Config, save_config
 from syncseg.engine.devices import autocast_for
 from syncseg.engine.distributed import DistInfo, all_reduce_sum
-from syncseg.engine.ema import best_after_decay_change
-from syncseg.engine.evaluate import evaluate
-from syncseg.engine.optim import load_optimizer_state
+from syncseg.engine.evaluate import validate_during_training
 from syncseg.engine.overfitting import OverfittingWatch
 from syncseg.engine.precise_bn import precise_batch_norms
-from syncseg.engine.reporting import MetricsLog, Throughput, peak_memory_mb, progress_bar, progress_line
+from syncseg.engine.reporting import MetricsLog, Stopwatch, Throughput, log_training, progress_bar, training_record
 from syncseg.engine.samplers import shutdown_workers, train_steps
 from syncseg.engine.seeding import seed_process
 from syncseg.engine.signals import StopRequest
-from syncseg.engine.visualize import prediction_grid
-from syncseg.model.norm import synchronizes_statistics
-from syncseg.model.weights import load_model_weights
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +74,7 @@ class Due:
 
 
 def read_back_losses(pending: list[tuple[int, torch.Tensor]], *, run_dir: Any) -> dict[int, float]:
-    """{iteration: loss summed over processes} of the steps' (iteration, loss share) in `pending` (one
+    """{iteration: loss summed over processes} of the steps' (iteration, loss share) in `pending`, which it empties (one
     all-reduce: every process calls it with as many steps); non_finite_error on the first non-finite one."""
     if not pending:
         return {}
@@ -91,32 +86,34 @@ def read_back_losses(pending: list[tuple[int, torch.Tensor]], *, run_dir: Any) -
         if not math.isfinite(value):
             raise non_finite_error(f"loss ({value})", iteration=iteration, run_dir=run_dir)
         losses[iteration] = value
+    pending.clear()
     return losses
 
 
-class Trainer:
-    """Trains `parts` (syncseg.engine.build.TrainingParts). Only rank 0 writes files.
+class StopTraining(Exception):
+    """A stop every process agreed on (StopRequest.agreed), raised once last.pt is saved at this iteration;
+    Trainer.fit catches it, and nothing else does."""
 
-    `resume`: a checkpoint payload (syncseg.engine.checkpoint.load_checkpoint with RESUME_KEYS) to continue from
-    (build the parts with init_weights=False then); `run_id` and `overrides` (syncseg.engine.run_plan.RunPlan) are
-    saved in every checkpoint. `fit` may be called again with a later `stop_at`: it continues the same
-    data stream.
-    """
+
+class Trainer:
+    """Trains `parts` (build_training's); only rank 0 writes files. `resume`: a last.pt payload to continue from, on
+    parts built with init_weights=False; `run_id` and `overrides` (RunPlan's) go into every checkpoint. `fit` may
+    be called again with a later `stop_at`: it continues the same data stream."""
 
     def __init__(self, parts: TrainingParts, *, resume: Mapping[str, Any] | None = None, run_id: str = "",
                  overrides: Mapping[str, str] | None = None, progress: bool | None = None) -> None:
         self.parts, self.config, self.dist, self.device = parts, parts.config, parts.dist, parts.device
-        self.model, self.optimizer = parts.model, parts.optimizer
+        self.model, self.optimizer, self.run_dir = parts.model, parts.optimizer, parts.config.run_dir
         self.run_id = run_id or (resume or {}).get("run_id", "")
         self.overrides = dict(overrides or {})  # saved with the run: a resume checks its --config against them
         self.progress = (sys.stderr.isatty() if progress is None else progress) and self.dist.is_main
-        self.run_dir = self.config.run_dir
         self.checkpointer = Checkpointer(self.run_dir, self.dist)
         self.iteration, self.best_miou, self.best_metrics = 0, -1.0, None  # best_metrics: best.pt's validation
         self.validation_due = False  # a stop ended this iteration's validation: a resume runs it first
         self._steps: Iterator[list[Any]] | None = None  # created at the first fit, from self.iteration
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (iteration, loss) not yet read back
-        self._last_saved: tuple[int, float, bool] | None = None  # _saved_state_key() of the last last.pt written
+        # (iteration, best mIoU, validation due) of the last last.pt written: between steps, what tells states apart
+        self._last_saved: tuple[int, float, bool] | None = None
         self.overfitting = OverfittingWatch()  # replaced at the first fit, with the best mIoU a resume brings
         self.vis_indices = list(range(min(self.config.train.num_vis_images, len(parts.val_set))))
         seed_process(self.config.train.seed, self.dist.rank)
@@ -134,14 +131,11 @@ class Trainer:
         """build_training(config, dist_info) and a Trainer on its parts (`options`: the constructor's)."""
         return cls(build_training(config, dist_info, init_weights=resume is None), resume=resume, **options)
 
-    # ------------------------------------------------------------------------------ the loop
     def fit(self, *, stop_at: int | None = None) -> TrainResult:
-        """Train up to `stop_at` (default train.iters). last.pt is written every train.ckpt_interval, at the
-        stop iteration and on a signal (before any validation of the same iteration, so a failing
-        validation cannot cost the work); best.pt at each better validation. A signal is answered within a
-        step or a batch of what runs between steps (PreciseBN, validation, the grid): last.pt is saved at
-        that iteration, with a validation the stop skipped or cut short recorded as due (the resume runs it
-        first, so the validations and best.pt are an uninterrupted run's)."""
+        """Train up to `stop_at` (default train.iters). last.pt every train.ckpt_interval, at `stop_at` and on a signal,
+        before that iteration's validation (which then cannot cost the work); best.pt at each better validation. A
+        signal is answered within a step or a batch between steps: last.pt at that iteration, with a validation it
+        skipped or cut short left due (the resume runs it first: the validations are an uninterrupted run's)."""
         total = self.config.train.iters
         stop_at = total if stop_at is None else min(total, stop_at)
         result = TrainResult(best_miou=self.best_miou, iteration=self.iteration)
@@ -150,35 +144,40 @@ class Trainer:
             self._steps = train_steps(self.parts.train_loader, self.iteration)
             self.overfitting = OverfittingWatch(best_miou=self.best_miou)  # from this fit's first losses
         self.model.train()
-        throughput, loop_start, periodic_seconds = Throughput(self.iteration), time.perf_counter(), 0.0
+        throughput, loop_start, between_steps = Throughput(self.iteration), time.perf_counter(), Stopwatch()
         with StopRequest() as stop, progress_bar(enabled=self.progress, total=stop_at,
                                                  initial=self.iteration) as bar, self.log.flushed_at_exit():
             stop.iteration = self.iteration
-            stopped = self.validation_due and not self._validation(stop, result)  # the one a stop left due
-            while self.iteration < stop_at and not stopped:
-                stop.iteration = self.iteration + 1
-                wait_start = time.perf_counter()
-                micro_batches = next(self._steps)
-                throughput.add(images=self.config.train.batch_size, data_seconds=time.perf_counter() - wait_start)
-                self._pending_losses.append((self.iteration + 1, self.train_step(micro_batches)))
-                self.iteration += 1
-                due = Due.after(self.iteration, self.config.train, stop_at=stop_at, stop_requested=stop.agreed())
-                if due.record:  # raises on a non-finite loss, before anything is saved
-                    losses = read_back_losses(self._pending_losses, run_dir=self.run_dir)
-                    result.losses.update(losses)
-                    self.overfitting.add_losses(losses)
-                    self._pending_losses = []
-                if due.log:
-                    self._log_training(result, throughput, stop_at, bar)
-                if bar is not None:
-                    bar.update(1)
-                periodic_start = time.perf_counter()
-                stopped = not self._between_steps(due, stop, result)
-                periodic_seconds += time.perf_counter() - periodic_start
-            if stopped:
+            try:
+                if self.validation_due:  # the one a stop left due
+                    self._validation(stop, result)
+                while self.iteration < stop_at:
+                    stop.iteration = self.iteration + 1
+                    wait_start = time.perf_counter()
+                    micro_batches = next(self._steps)
+                    throughput.add(images=self.config.train.batch_size, data_seconds=time.perf_counter() - wait_start)
+                    self._pending_losses.append((self.iteration + 1, self.train_step(micro_batches)))
+                    self.iteration += 1
+                    due = Due.after(self.iteration, self.config.train, stop_at=stop_at, stop_requested=stop.agreed())
+                    if due.record:  # raises on a non-finite loss, before anything is saved
+                        losses = read_back_losses(self._pending_losses, run_dir=self.run_dir)  # and empties it
+                        result.losses.update(losses)
+                        self.overfitting.add_losses(losses)
+                    if due.log:
+                        record = training_record(result.losses, iteration=self.iteration, throughput=throughput,
+                                                 interval=self.config.train.log_interval, device=self.device,
+                                                 scheduler=self.parts.scheduler, optimizer=self.optimizer)
+                        log_training(self.log, record, iteration=self.iteration, stop_at=stop_at, bar=bar,
+                                     eta=throughput.eta_seconds(self.iteration, stop_at),
+                                     line_logger=logger if self.dist.is_main else None)
+                    if bar is not None:
+                        bar.update(1)
+                    with between_steps:
+                        self._between_steps(due, stop, result)
+            except StopTraining:
                 result.reason, result.signal = "signal", stop.received
                 logger.warning("stopped by signal at iteration %d; last.pt saved", self.iteration)
-        result.train_seconds = time.perf_counter() - loop_start - periodic_seconds
+        result.train_seconds = time.perf_counter() - loop_start - between_steps.seconds
         if result.reason != "signal" and self.iteration < total:
             result.reason = "stopped"
         result.iteration, result.best_miou = self.iteration, self.best_miou
@@ -200,8 +199,7 @@ class Trainer:
                     inputs = normalize_batch(images, data_cfg.mean, data_cfg.std, max_value=data_cfg.max_value)
                     outputs = parts.forward_model(inputs)
                 loss = parts.criterion(outputs, masks, step_weight=normalizer)
-                # DDP averages gradients over processes; scaling by the world size makes that the sum of the
-                # processes' shares of the global loss.
+                # DDP averages gradients over processes: times the world size, the sum of their global-loss shares
                 parts.scaler.scale(loss * self.dist.world_size).backward()
             shares.append(loss.detach())
         parts.scaler.step(self.optimizer)
@@ -211,53 +209,30 @@ class Trainer:
             parts.ema.update(self.model)
         return torch.stack(shares).sum()
 
-    def _log_training(self, result: TrainResult, throughput: Throughput, stop_at: int, bar: Any) -> None:
-        interval = self.config.train.log_interval
-        recent = [result.losses[i] for i in range(self.iteration - interval + 1, self.iteration + 1)
-                  if i in result.losses]
-        factor = self.parts.scheduler.factor(self.iteration - 1)  # the rate the last step used
-        images_per_s, data_wait = throughput.window()
-        record = {
-            "loss": sum(recent) / max(1, len(recent)),
-            "lr": {group["name"]: group["initial_lr"] * factor for group in self.optimizer.param_groups},
-            "images_per_s": images_per_s,
-            "data_wait_fraction": data_wait,
-            "peak_memory_mb": peak_memory_mb(self.device),
-        }
-        self.log.scalars(record, step=self.iteration, prefix="train")
-        if bar is not None:
-            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{next(iter(record['lr'].values()), 0.0):.2e}")
-        elif self.dist.is_main:
-            logger.info(progress_line(record, iteration=self.iteration, stop_at=stop_at,
-                                      eta=throughput.eta_seconds(self.iteration, stop_at)))
-
-    def _between_steps(self, due: Due, stop: StopRequest, result: TrainResult) -> bool:
-        """What `due` asks for after a step: last.pt, PreciseBN, validation. False when a stop ends the run
-        here, last.pt saved at this iteration (every process agrees on it: StopRequest.agreed)."""
+    def _between_steps(self, due: Due, stop: StopRequest, result: TrainResult) -> None:
+        """What `due` asks for after a step: last.pt, PreciseBN, validation; StopTraining when a stop that every
+        process agreed on (StopRequest.agreed) ends the run here, last.pt saved at this iteration."""
         if due.stop:
-            return self._stop_saving(validation_due=due.validate)
+            self._stop_here(validation_due=due.validate)
         if due.validate:
-            if not self._validation(stop, result, checkpoint=due.checkpoint):
-                return False
+            self._validation(stop, result, checkpoint=due.checkpoint)
         elif due.checkpoint:
             self.save(["last.pt"])
         if (due.validate or due.checkpoint) and stop.agreed():  # a signal during a save or the grid's last image
-            return self._stop_saving(validation_due=False)
-        return True
+            self._stop_here(validation_due=False)
 
-    def _validation(self, stop: StopRequest, result: TrainResult, *, checkpoint: bool = False) -> bool:
-        """PreciseBN (train.precise_bn_batches), then last.pt when `checkpoint` (after PreciseBN, as it keeps the
-        statistics validation used; before validating, so a failing validation cannot cost the work), then
-        validate and write best.pt when better. False when a stop agreed between batches ended PreciseBN or
-        the validation: last.pt is then saved with the validation due, and the resume runs all of this again
-        (PreciseBN's batches are fixed, so the same weights give it the same statistics)."""
+    def _validation(self, stop: StopRequest, result: TrainResult, *, checkpoint: bool = False) -> None:
+        """PreciseBN, then last.pt when `checkpoint` (after PreciseBN: it keeps the statistics validation used), then
+        validation and best.pt when better. A stop agreed between their batches saves last.pt with the validation
+        due (the resume runs it all again: PreciseBN's batches are fixed) and raises StopTraining."""
         if self.parts.precise_bn_loader is not None and not precise_batch_norms(self.parts, should_stop=stop.agreed):
-            return self._stop_saving(validation_due=True)
+            self._stop_here(validation_due=True)
         if checkpoint:
             self.save(["last.pt"])
-        metrics = self.validate(stop=stop)
+        metrics = validate_during_training(self.parts, log=self.log, iteration=self.iteration,
+                                           vis_indices=self.vis_indices, stop=stop)
         if metrics is None:
-            return self._stop_saving(validation_due=True)
+            self._stop_here(validation_due=True)
         self.validation_due = False
         if metrics["miou"] > self.best_miou:
             self.best_miou, self.best_metrics = float(metrics["miou"]), metrics
@@ -266,92 +241,25 @@ class Trainer:
         if warning is not None and self.dist.is_main:
             logger.warning("%s", warning)
         result.last_val = metrics
-        return True
 
-    def _stop_saving(self, *, validation_due: bool) -> bool:
-        """Stop here: last.pt at this iteration (unless the one saved last is this very state); returns False."""
+    def _stop_here(self, *, validation_due: bool) -> None:
+        """last.pt at this iteration (unless the one saved last is this very state), then StopTraining."""
         self.validation_due = validation_due
         if validation_due:
             logger.warning("iteration %d's validation is left due: the resume runs it first", self.iteration)
-        if self._last_saved != self._saved_state_key():
+        if self._last_saved != (self.iteration, self.best_miou, self.validation_due):
             self.save(["last.pt"])
-        return False
+        raise StopTraining
 
-    def validate(self, *, stop: StopRequest | None = None) -> dict[str, Any] | None:
-        """evaluate() on the validation shard of this process (the same code path as eval.py) and rank 0's
-        TensorBoard grid, then logged; the averaged weights when train.ema_decay > 0. None, with nothing logged,
-        when `stop` ended it: agreed before every validation batch and once after the grid, which rank 0 draws
-        alone (asking only its own flag between images, since the other processes are not drawing)."""
-        parts, classes, model = self.parts, self.parts.classes, self.parts.eval_model
-        should_stop = None if stop is None else stop.agreed
-        metrics = evaluate(model, parts.val_loader, num_classes=len(classes), device=self.device,
-                           data_cfg=self.config.data, eval_cfg=self.config.eval, classes=classes, progress=False,
-                           should_stop=should_stop)
-        grid = None
-        if metrics is not None and self.dist.is_main and self.vis_indices:
-            grid = prediction_grid(model, parts.val_set, self.vis_indices, device=self.device,
-                                   data_cfg=self.config.data, eval_cfg=self.config.eval,
-                                   should_stop=None if stop is None else lambda: stop.requested)
-        if metrics is None or (should_stop is not None and should_stop()):
-            return None
-        if self.dist.is_main:
-            self.log.validation(metrics, classes=classes, step=self.iteration)
-            if grid is not None:
-                self.log.image("val/image_truth_prediction", grid, step=self.iteration)
-            logger.info("iteration %d: val mIoU %.4f, pixel acc %.4f (%d images)", self.iteration,
-                        metrics["miou"], metrics["pixel_acc"], metrics["num_images"])
-        return metrics
-
-    # ------------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint payload of this run (without the RNG states, which the Checkpointer adds)."""
-        parts = self.parts
-        return {
-            "format_version": FORMAT_VERSION, "model": self.model.state_dict(), "config": to_dict(self.config),
-            "classes": list(parts.classes), "iteration": self.iteration,
-            "epoch": self.iteration // parts.sampler.batches_per_epoch, "best_miou": self.best_miou,
-            "optimizer": self.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
-            "scaler": parts.scaler.state_dict(), "run_id": self.run_id, "overrides": self.overrides,
-            "validation_due": self.validation_due,
-            **({"ema": parts.ema.state_dict()} if parts.ema is not None else {}),
-        }
+        return training_payload(self.parts, iteration=self.iteration, best_miou=self.best_miou, run_id=self.run_id,
+                                overrides=self.overrides, validation_due=self.validation_due)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a last.pt payload: weights, optimizer, schedule, scaler, iteration, best mIoU, RNG.
-        The (possibly overridden) config decides the base LR and weight decay from here on."""
-        parts = self.parts
-        saved = from_dict(state["config"])
-        load_model_weights(self.model, state["model"], checkpoint=state.get("path", "resumed"),
-                           saved_model_cfg=saved.model, model_cfg=self.config.model)
-        load_optimizer_state(self.optimizer, state["optimizer"])
-        parts.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"]:
-            parts.scaler.load_state_dict(state["scaler"])
-        if parts.ema is not None:
-            parts.ema.resume(state.get("ema"), self.model)
-        self.iteration = int(state["iteration"])
-        self.best_miou = best_after_decay_change(saved.train.ema_decay, self.config.train.ema_decay,
-                                                 float(state["best_miou"]))
-        self.validation_due = bool(state.get("validation_due", False))
-        if not self.checkpointer.restore_rng(state["rng"]):
-            self._reseed_for_world_size(len(state["rng"].get("per_rank") or []))
-
-    def _reseed_for_world_size(self, saved_world_size: int) -> None:
-        """A resume by another number of processes: the saved random streams cannot be dealt out, so each
-        process's come from (train.seed, rank, iteration); the data order does not depend on them."""
-        seed_process(self.config.train.seed, self.dist.rank, iteration=self.iteration)
-        if not self.dist.is_main:
-            return
-        if saved_world_size < 1:
-            logger.warning("the checkpoint holds no RNG states: each process's random streams reseeded from "
-                           "(train.seed, rank, iteration)")
-            return
-        model_cfg, train_cfg = self.config.model, self.config.train
-        global_statistics = self.dist.num_replicas == 1 or (  # as build.describe tells synchronized BN apart
-            synchronizes_statistics(model_cfg.norm) and model_cfg.syncbn_group_size in (0, self.dist.world_size))
-        logger.info(describe_world_change(
-            saved_world_size, self.dist.world_size, global_batch=train_cfg.batch_size, accumulate=train_cfg.accumulate,
-            num_replicas=self.dist.num_replicas, global_statistics=global_statistics))
+        """Continue from a last.pt payload (syncseg.engine.checkpointer.resume_training)."""
+        self.iteration, self.best_miou, self.validation_due = resume_training(self.parts, state,
+                                                                              checkpointer=self.checkpointer)
 
     def save(self, names: list[str]) -> None:
         """Write run_dir/<name> for each name (syncseg.engine.checkpointer.Checkpointer.save; every process calls it).
@@ -359,11 +267,7 @@ class Trainer:
         state = self.state_dict()
         self.checkpointer.save(names, state, best_metrics=self.best_metrics, weights=state.get("ema"))
         if "last.pt" in names:
-            self._last_saved = self._saved_state_key()
-
-    def _saved_state_key(self) -> tuple[int, float, bool]:
-        """What tells last.pt states of one run apart between steps (the weights change only in a step)."""
-        return self.iteration, self.best_miou, self.validation_due
+            self._last_saved = (self.iteration, self.best_miou, self.validation_due)
 
     def close(self) -> None:
         """Stop the data-loading workers and close the TensorBoard writer (call it however training ended)."""

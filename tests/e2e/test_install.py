@@ -34,7 +34,8 @@ def _copy_sources(tmp_path: Path) -> Path:
     source.mkdir()
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+            shutil.copytree(ROOT / name, source / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
         else:
             shutil.copy2(ROOT / name, source / name)
     return source

@@ -86,7 +86,8 @@ def test_the_trainer_logs_it_once_and_best_pt_stays_the_best_validation(tmp_path
     mious = {5: 0.20, 10: 0.35, 15: 0.30, 20: 0.33, 25: 0.34, 30: 0.31}  # the best at 10; warned at 20, once
     trainer = Trainer.from_config(config, DistInfo(), progress=False)
     monkeypatch.setattr(trainer, "train_step", lambda micro_batches: torch.tensor(losses[trainer.iteration]))
-    monkeypatch.setattr(trainer, "validate", lambda stop=None: {"miou": mious[trainer.iteration]})
+    monkeypatch.setattr("syncseg.engine.trainer.validate_during_training",
+                        lambda parts, **kwargs: {"miou": mious[kwargs["iteration"]]})
     with caplog.at_level(logging.WARNING, logger="syncseg.engine.trainer"):
         try:
             trainer.fit()
