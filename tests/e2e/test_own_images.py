@@ -129,7 +129,7 @@ def test_a_4_channel_png_dataset_trains_evaluates_predicts_and_exports(tmp_path,
 def test_a_6_band_tiff_dataset_trains_with_the_lines_verify_dataset_prints(tmp_path, capfd):
     """Issue 32 item 1, end to end: verify_dataset under the default config prints the lines for 6-band planar
     TIFFs; training stops at start without them (data.mean names verify_dataset) and trains with them."""
-    from tests.data.test_scripts import _multi_band_folder, _printed_command_line
+    from tests.data.test_commands import _multi_band_folder, _printed_command_line
 
     _multi_band_folder(tmp_path / "data", 6, planar=True)
     folder = ["data.dataset=folder", f"data.root={tmp_path / 'data'}", "data.num_classes=3"]

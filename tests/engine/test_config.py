@@ -377,7 +377,7 @@ def test_images_beyond_8_bit_rgb_are_folder_datasets_with_a_mean_and_std_per_cha
     assert from_dict(to_dict(config)).data == config.data
     with pytest.raises(ValueError, match=r"command line: data\.mean has 3 value\(s\) \(ImageNet's RGB values, the "
                                          r"default\) but data\.in_channels=1; give one value per channel, in units "
-                                         r"of data\.max_value \(scripts/verify_dataset\.py prints them\)"):
+                                         r"of data\.max_value \(`python -m syncseg verify` prints them\)"):
         load_config(None, [*TWO_CLASS_FOLDER, "data.in_channels=1"])
     with pytest.raises(ValueError, match=r"data\.std has 2 value\(s\) but data\.in_channels=1"):
         load_config(None, [*TWO_CLASS_FOLDER, "data.in_channels=1", "data.mean=0.5", "data.std=0.2,0.2"])

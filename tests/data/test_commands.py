@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_script(name):
-    return importlib.import_module(f"scripts.{name}")
+    return importlib.import_module(f"syncseg.commands.{name}")
 
 
 def _write_sbd(sbd_root, ids):
@@ -64,7 +64,7 @@ def test_prepare_voc_errors_name_the_folder(tmp_path, capsys):
     make_voc_tree(tmp_path / "VOC2012")
     assert prepare_voc.main(["--voc-root", str(tmp_path / "VOC2012"), "--sbd-root", str(tmp_path / "nope")]) == 2
     error = capsys.readouterr().err  # one line of syncseg/engine/cli.py's contract: bad input, exit 2
-    assert re.fullmatch(r"\d\d:\d\d:\d\d prepare_voc\.py: error: .*nope.*\n", error), error
+    assert re.fullmatch(r"\d\d:\d\d:\d\d syncseg-prepare-voc: error: .*nope.*\n", error), error
 
 
 def _config(tmp_path, root):
