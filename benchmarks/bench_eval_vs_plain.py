@@ -94,7 +94,7 @@ def write_weights(config_path: Path, checkpoint: Path, plain_weights: Path) -> N
     from torchvision.models.segmentation import deeplabv3_resnet50
 
     from syncseg.data.label_tables import VOC_CLASSES
-    from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+    from syncseg.engine.checkpoint_file import FORMAT_VERSION, save_checkpoint
     from syncseg.engine.config import load_config, to_dict
     from syncseg.model.builder import build_model
     from syncseg.model.weights import load_segmentation_weights

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from syncseg.data.label_tables import (ADE20K_CLASSES, ADE20K_COLOURS, CITYSCAPES_CLASSES, CITYSCAPES_COLOURS,
                                        SYNTHETIC_CLASSES, SYNTHETIC_DEFAULT_NUM_CLASSES, VOC_CLASSES)
-from syncseg.registry import Registry, load_object
+from syncseg.lazy_registry import Registry, load_object
 
 RGB = tuple[int, int, int]
 MAX_LABEL = 255  # masks are 8-bit: class indices and the ignore label fit in 0..255

@@ -47,7 +47,7 @@ from syncseg.model.input_channels import RGB, adapt_input_channels
 from syncseg.model.norm import NormLayer
 from syncseg.model.registry import BACKBONES
 from syncseg.model.timm_encoder import build_timm_backbone, timm_model_name
-from syncseg.registry import load_object
+from syncseg.lazy_registry import load_object
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def unwrap_state_dict(loaded: Any) -> tuple[dict[str, Tensor] | None, str]:
 
 
 def _read_state_dict(path: Path) -> dict[str, Tensor]:
-    # model/ may not import syncseg/engine/checkpoint.py (import rule), so this is the one torch.load outside it.
+    # model/ may not import syncseg/engine/checkpoint_file.py (import rule), so this is the one torch.load outside it.
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # corrupt / not a torch file

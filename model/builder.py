@@ -22,7 +22,7 @@ from syncseg.model.input_channels import RGB
 from syncseg.model.norm import NormLayer, norm_layers
 from syncseg.model.registry import HEADS
 from syncseg.model.sync_batchnorm import name_synchronized_layers
-from syncseg.registry import load_object
+from syncseg.lazy_registry import load_object
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from torchvision.ops import FrozenBatchNorm2d
 
 from syncseg.model.registry import NORMS
 from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d, adopt_norm_state
-from syncseg.registry import load_object
+from syncseg.lazy_registry import load_object
 
 
 class NormLayer(Protocol):

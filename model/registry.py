@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from syncseg.registry import Registry
+from syncseg.lazy_registry import Registry
 
 TIMM_PREFIX = "timm:"  # model.backbone values with this prefix name a timm encoder
 

@@ -3,7 +3,7 @@
 `load_model_weights` loads every tensor strictly (evaluation, prediction, a resumed run);
 `load_segmentation_weights` loads what fits for fine-tuning (ours or torchvision's DeepLabV3 weights), skipping
 a classifier of another class count. Both raise one ValueError whose phrases come from `state_dict_problems`.
-Reading the files is syncseg.engine.checkpoint's (model/backbones.py reads backbone weight files).
+Reading the files is syncseg.engine.checkpoint_file's (model/backbones.py reads backbone weight files).
 """
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def synchronize(device: torch.device) -> None:
 def unfuse(path: str) -> int:
     """The optimizer groups of `path` as an optimizer built before fusing saved them (fused and foreach None),
     its step tensors on the CPU (load_checkpoint reads everything there)."""
-    from syncseg.engine.checkpoint import load_checkpoint, save_checkpoint
+    from syncseg.engine.checkpoint_file import load_checkpoint, save_checkpoint
 
     payload = load_checkpoint(path)
     groups = payload["optimizer"]["param_groups"]

@@ -91,7 +91,7 @@ class Predictor:
 
     @classmethod
     def from_loaded(cls, loaded: Any) -> "Predictor":
-        """The Predictor of a syncseg.engine.inference_model.InferenceModel (load_inference_model's result)."""
+        """The Predictor of a syncseg.engine.model_from_checkpoint.InferenceModel (load_inference_model's result)."""
         return cls(model=loaded.model, config=loaded.config, classes=loaded.classes, device=loaded.device,
                    path=loaded.path, iteration=loaded.iteration)
 
@@ -147,7 +147,7 @@ def load_model(checkpoint: str | Path, *, device: str | torch.device = "cpu",
     top. Raises FileNotFoundError / ValueError naming the file or the tensor that does not fit.
     """
     from syncseg.engine.allocator import keep_freed_memory
-    from syncseg.engine.inference_model import load_inference_model
+    from syncseg.engine.model_from_checkpoint import load_inference_model
 
     logging.getLogger("syncseg.api").info(keep_freed_memory())
     return Predictor.from_loaded(load_inference_model(checkpoint, device=torch.device(device),

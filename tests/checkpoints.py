@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+from syncseg.engine.checkpoint_file import FORMAT_VERSION, save_checkpoint
 from syncseg.engine.config import Config, load_config, to_dict
 
 

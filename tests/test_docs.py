@@ -137,3 +137,28 @@ def test_readme_states_the_test_command_and_the_python_api():
     assert "`make test` runs everything" in tests
     api = readme.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
     assert re.search(r"^```python\nimport syncseg\n.*?^```$", api, re.S | re.M)
+
+
+# the folders whose every file the layout map names (model/sync_batchnorm/tests is the package's own, mapped
+# as one entry)
+MAPPED_FOLDERS = ("syncseg", "model", "data", "configs", "scripts")
+
+
+def test_layout_map_names_every_file_of_the_packages_and_scripts():
+    """The map matches the tree the other way too: a module added without its line fails here."""
+    paths = set(layout_paths(layout_block(DESIGN.read_text())))
+    named_folders = {path.rstrip("/") for path in paths if path.endswith("/")}
+    unnamed = []
+    for top in MAPPED_FOLDERS:
+        for path in sorted((ROOT / top).rglob("*")):
+            relative = path.relative_to(ROOT).as_posix()
+            if path.is_dir() or "__pycache__" in relative or relative.endswith(".pyc") \
+                    or path.name in ("__init__.py", "py.typed") or ".egg-info" in relative or "/build/" in relative:
+                continue
+            parents = [parent.as_posix() for parent in Path(relative).parents][:-1]
+            in_named_leaf = any(parent in named_folders and not any(p.startswith(parent + "/") and p != parent + "/"
+                                                                    for p in paths)
+                                for parent in parents)
+            if relative not in paths and not in_named_leaf:
+                unnamed.append(relative)
+    assert not unnamed, f"docs/design.md's layout map does not name: {unnamed}"

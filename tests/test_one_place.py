@@ -46,10 +46,10 @@ def _files_matching(pattern: str) -> list[str]:
     (r"def normalize_batch\(", ["data/transforms.py"]),
     (r"normalize_batch\(", ["data/transforms.py", "syncseg/engine/inference.py", "syncseg/engine/precise_bn.py",
                              "syncseg/engine/trainer.py"]),
-    # the training payload is written by checkpointer.training_payload only
-    (r"\"scheduler\": ", ["syncseg/engine/checkpointer.py"]),
+    # the training payload is written by training_state.training_payload only
+    (r"\"scheduler\": ", ["syncseg/engine/training_state.py"]),
     # the checkpoint file format reads and writes files; model cannot import the engine, so backbone weights
-    (r"torch\.(save|load)\(", ["model/backbones.py", "syncseg/engine/checkpoint.py"]),
+    (r"torch\.(save|load)\(", ["model/backbones.py", "syncseg/engine/checkpoint_file.py"]),
     # a state dict is matched to a model, and its problems worded, in one module
     (r"state_dict_problems\(", ["model/weights.py"]),
 ])

@@ -1,10 +1,10 @@
-"""syncseg.registry.Registry and the extension points' registries: one place decides each point's names."""
+"""syncseg.lazy_registry.Registry and the extension points' registries: one place decides each point's names."""
 from __future__ import annotations
 
 import pytest
 
 from syncseg.engine.config import load_config
-from syncseg.registry import Registry, load_object
+from syncseg.lazy_registry import Registry, load_object
 
 
 def _registry() -> Registry:

@@ -114,7 +114,7 @@ def _prediction_saver(output_dir: Path, loader: Any, dataset: Any, config: Any):
     from syncseg.data import palette_image
     from syncseg.data.registry import dataset_kind
     from syncseg.engine.visualize import save_png
-    from syncseg.registry import load_object
+    from syncseg.lazy_registry import load_object
 
     color_dir, label_dir = output_dir / "color", output_dir / "labels"
     with writing("predictions under", output_dir):  # before the evaluation, not after it
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     from syncseg.data import build_dataset
     from syncseg.engine.devices import inference_device, log_precision
     from syncseg.engine.evaluate import evaluate
-    from syncseg.engine.inference_model import load_inference_model
+    from syncseg.engine.model_from_checkpoint import load_inference_model
     from syncseg.engine.samplers import build_eval_loader
 
     is_main = dist_info is None or dist_info.is_main
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
 def print_config(args: argparse.Namespace) -> int:
     """--print-config: the checkpoint's config with the overrides and flags, read without its tensors
     (FileNotFoundError / ValueError when it cannot be read)."""
-    from syncseg.engine.checkpoint import peek_checkpoint
+    from syncseg.engine.checkpoint_file import peek_checkpoint
     from syncseg.engine.config import config_yaml, inference_config
 
     if not Path(args.checkpoint).is_file():

@@ -70,8 +70,8 @@ def parse_size(text: str | None, default: tuple[int, int]) -> tuple[int, int]:
 def check_output_name(fmt: str, output: Path) -> None:
     """ValueError when `output`'s name would make the file misread: the loaders (eval.py, predict.py,
     model.init_checkpoint) take a file for safetensors by its suffix and for a torch.save file otherwise
-    (syncseg.engine.checkpoint.is_safetensors_name), and torch.export files need '.pt2'."""
-    from syncseg.engine.checkpoint import SAFETENSORS_SUFFIX, is_safetensors_name
+    (syncseg.engine.checkpoint_file.is_safetensors_name), and torch.export files need '.pt2'."""
+    from syncseg.engine.checkpoint_file import SAFETENSORS_SUFFIX, is_safetensors_name
     from syncseg.engine.export_formats import SUFFIXES
 
     if fmt == "safetensors" and not is_safetensors_name(output):
@@ -95,7 +95,7 @@ def _read_back_problem(path: Path, state: dict) -> str | None:
     else what is wrong with it."""
     import torch
 
-    from syncseg.engine.checkpoint import load_checkpoint
+    from syncseg.engine.checkpoint_file import load_checkpoint
 
     try:
         reread = load_checkpoint(path)["model"]
@@ -110,11 +110,11 @@ def run(args: argparse.Namespace) -> int:
     """Export and check as `args` say; returns 0, or raises (syncseg/engine/cli.py maps the exception)."""
     import torch
 
-    from syncseg.engine.checkpoint import load_checkpoint, save_safetensors
+    from syncseg.engine.checkpoint_file import load_checkpoint, save_safetensors
     from syncseg.engine.cli import CommandFailed, writing
     from syncseg.engine.export_formats import (SUFFIXES, MissingRuntimeError, check_against_pytorch, export_metadata, export_model,
                                export_ready, load_runner, sample_inputs)
-    from syncseg.engine.inference_model import load_inference_model
+    from syncseg.engine.model_from_checkpoint import load_inference_model
 
     if args.size is not None:
         parse_size(args.size, (0, 0))  # a bad --size fails before the model is loaded

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> Outcome:
     from syncseg.engine.devices import inference_device
     from syncseg.engine.devices import log_precision
     from syncseg.api import Predictor
-    from syncseg.engine.inference_model import load_inference_model
+    from syncseg.engine.model_from_checkpoint import load_inference_model
     from syncseg.engine.visualize import background_indices, legend_image, overlay, save_png
 
     if not 0.0 <= args.alpha <= 1.0:

@@ -3,9 +3,9 @@
     config/          the schema (every key, choice, limit, default) and its YAML / KEY=VALUE io
     build.py         build_training(config, dist_info) -> TrainingParts (datasets ... loaders); init_from_weights
     trainer.py       Trainer(parts): the loop (fit, train_step, what is due between steps); StopTraining
-    checkpointer.py  a run's state: training_payload, Checkpointer (last.pt / best.pt), resume_training, reseeding
-    checkpoint.py    the checkpoint file format: torch.save / torch.load, keys, peek, safetensors, weight files
-    inference_model.py  load_inference_model: checkpoint -> config -> model on a device (eval.py, predict.py)
+    training_state.py  a run's state: training_payload, Checkpointer (last.pt / best.pt), resume_training, reseeding
+    checkpoint_file.py  the checkpoint file format: torch.save / torch.load, keys, peek, safetensors, weight files
+    model_from_checkpoint.py  load_inference_model: checkpoint -> config -> model on a device (eval.py, predict.py)
     inference.py     predict_batch: the one inference entry point (validation, eval.py, grids, predict.py)
     evaluate.py      evaluate(): the one evaluation loop; validate_during_training (a run's validation, logged)
     confusion.py     ConfusionMatrix (on device, all-reduced)

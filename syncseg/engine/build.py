@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from syncseg.data import build_dataset, check_data_at_start
 from syncseg.engine.accumulation import describe_batches
-from syncseg.engine.checkpoint import load_weights_file
+from syncseg.engine.checkpoint_file import load_weights_file
 from syncseg.engine.config import Config
 from syncseg.engine.devices import apply_fp32_precision, log_precision, resolve_channels_last
 from syncseg.engine.distributed import DistInfo, assign_sync_groups, compile_for_training, wrap_for_training
@@ -74,7 +74,7 @@ class TrainingParts:
 
 
 def init_from_weights(model: nn.Module, path: str | Path, *, model_cfg: Any) -> LoadedWeights:
-    """Fine-tuning: load `path` (see syncseg.engine.checkpoint.load_weights_file) into `model`, built from `model_cfg`, and log
+    """Fine-tuning: load `path` (see syncseg.engine.checkpoint_file.load_weights_file) into `model`, built from `model_cfg`, and log
     which keys were loaded, skipped (the classifier of another class count) and left fresh. Raises one
     ValueError naming the file and both architectures when the weights do not fit."""
     state_dict, kind = load_weights_file(path)

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_DTYPES = {"off": None, "tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Overrides the CPU bf16 probe ("0" or "1"): the tests set 0 so that no outcome or time depends on the CPU
 NATIVE_BF16_VARIABLE = "SYNCSEG_NATIVE_BF16"
-# measured on a 2-core AVX2 CPU (no AVX512_BF16/AMX): the demo trained at 1.0 img/s in bf16, 14 img/s in fp32
+# how many times slower bf16 runs than fp32 where the CPU emulates it (no AVX512_BF16/AMX), as the log says when
+# a config asks for bf16 there (docs/training.md, "Precision and speed", has the measurement)
 EMULATED_BF16_SLOWDOWN = 14
 
 
@@ -126,10 +127,8 @@ def apply_fp32_precision(chosen: str, device: torch.device) -> None:
         set_tf32(chosen == "tf32")
 
 
-# Backbones whose fp32 convolutions oneDNN runs faster channels-last on a CPU, with AVX-512 and with AVX2
-# kernels alike (dev VM, ONEDNN_MAX_CPU_ISA=AVX2 for the second): DeepLabV3 ResNet-50 OS8 whole-image inference
-# 1.20x and 1.20x, a training step at 4x256 px 1.25x and 1.19x; ResNet-101 inference 1.17x and 1.13x. Not the
-# others: ResNet-18 (the demo) ran 3-5% slower, MobileNetV3 1.30x faster with AVX-512 but 6% slower with AVX2.
+# Backbones whose fp32 convolutions oneDNN runs faster channels-last on a CPU with AVX-512 and with AVX2 kernels
+# alike; ResNet-18 and MobileNetV3 do not (the measurements: docs/training.md, "Precision and speed")
 CPU_FP32_CHANNELS_LAST_BACKBONES = frozenset({"resnet50", "resnet101"})
 
 

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from syncseg.engine.atomic import write_atomically
-from syncseg.engine.checkpoint import SAFETENSORS_SUFFIX
+from syncseg.engine.checkpoint_file import SAFETENSORS_SUFFIX
 from syncseg.model.sync_batchnorm import revert_model
 
 logger = logging.getLogger(__name__)
 
-# the default file name's ending; safetensors' is required (syncseg.engine.checkpoint.is_safetensors_name), the others'
+# the default file name's ending; safetensors' is required (syncseg.engine.checkpoint_file.is_safetensors_name), the others'
 # are not: the loaders are told the format (load_runner), not the name
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "exported": ".pt2", "safetensors": SAFETENSORS_SUFFIX}
 INPUT_NAME, OUTPUT_NAME = "images", "logits"
@@ -145,7 +145,7 @@ def export_model(module: LogitsModel, fmt: str, path: Path, *, sample: torch.Ten
         return ", ".join(f"{name} {'dynamic' if dim.dim_param else dim.dim_value}"
                          for name, dim in zip(("batch", "channels", "height", "width"), dims))
     raise ValueError(f"export_model: format {fmt!r} is not one of onnx, torchscript, exported (safetensors files "
-                     "are written by syncseg.engine.checkpoint.save_safetensors)")
+                     "are written by syncseg.engine.checkpoint_file.save_safetensors)")
 
 
 def load_runner(fmt: str, path: Path) -> Callable[[torch.Tensor], np.ndarray]:

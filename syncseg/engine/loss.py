@@ -24,7 +24,7 @@ from torch import nn
 from syncseg.engine.distributed import all_reduce_sum
 from syncseg.engine.loss_terms import TermInputs
 from syncseg.engine.registry import IMAGES, LOSS_TERMS, PIXELS
-from syncseg.registry import load_object
+from syncseg.lazy_registry import load_object
 
 
 def mask_check_is_free(device: torch.device) -> bool:

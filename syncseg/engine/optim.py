@@ -33,9 +33,8 @@ def build_param_groups(model: nn.Module, *, lr: float, head_lr_mult: float, weig
     ]
 
 
-# Devices where torch's fused SGD/AdamW kernels run (torch 2.4+): one pass over every parameter of a group.
-# On a CPU, torch's default is a loop over the tensors: for the demo's model an AdamW step took 25 ms (SGD 12 ms)
-# against 9 ms (6 ms) fused on 2 cores (benchmarks/bench_optim.py; 43 ms looped with glibc's default allocator).
+# Devices where torch's fused SGD/AdamW kernels run (torch 2.4+): one pass over every parameter of a group, where
+# torch's CPU default loops over the tensors (the step's cost each way: benchmarks/bench_optim.py, docs/benchmarks.md)
 _FUSED_DEVICE_TYPES = ("cpu", "cuda")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from syncseg.registry import Registry
+from syncseg.lazy_registry import Registry
 
 PIXELS, IMAGES = "pixels", "images"  # what a loss term's sum is divided by, over the global batch
 

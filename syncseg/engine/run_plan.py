@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint, peek_checkpoint
+from syncseg.engine.checkpoint_file import RESUME_KEYS, load_checkpoint, peek_checkpoint
 from syncseg.engine.config import Config, DistConfig
 from syncseg.engine.config import build_config, from_dict, load_config, parse_overrides, to_dict
 from syncseg.engine.distributed import DistInfo, broadcast_object, is_dist

@@ -133,21 +133,13 @@ WORKER_PRELOAD = ["torch", "syncseg.data", "syncseg.engine.seeding", "syncseg.en
 
 
 def worker_context(dataset: Any, num_workers: int) -> BaseContext | None:
-    """The multiprocessing context of a DataLoader's `num_workers` workers: None (no workers; torch's default,
-    fork on Linux, in a process without torch.distributed), a forkserver where a process group exists.
+    """The multiprocessing context of a DataLoader's `num_workers` workers: None (no workers, or no process group:
+    torch's default, fork on Linux), a forkserver where a process group exists.
 
-    A process group runs threads of its own (gloo's, NCCL's). Threads that are not Python's enter the
-    interpreter now and then (to free the Python object of a tensor whose last reference they held, say),
-    taking the interpreter's thread-state lock as they do, without the GIL that a fork holds. CPython 3.11
-    up to its 2024 security releases (3.11.7 here; CPython issue 112275) takes that lock in the forked child
-    before resetting it: a fork at that moment leaves the worker waiting inside os.fork forever, and its
-    process (and every peer, at the next collective) with it. Forks right after gloo collectives hung twice
-    in about 1550 on a loaded 2-core machine (the child's stack: PyOS_AfterFork_Child ->
-    _PyThreadState_DeleteExcept -> PyThread_acquire_lock). A forkserver is one process without threads,
-    started by fork + exec before the first worker; every worker forks from it. The dataset is pickled to
-    each worker instead of shared copy-on-write, and the server costs one interpreter with WORKER_PRELOAD
-    and the dataset's module imported (~4 CPU-s, once per process). A script that builds the loaders at
-    its top level needs the `if __name__ == "__main__":` guard, as with any forkserver or spawn start.
+    A worker forked beside the process group's own threads (gloo's, NCCL's) can hang inside os.fork on CPython
+    3.11 before its 2024 security releases; a forkserver has no threads, and every worker forks from it
+    (docs/design.md, "Running on a cluster": why, and how often). The dataset is pickled to each worker, and a
+    script that builds the loaders at its top level needs the `if __name__ == "__main__":` guard.
     """
     if num_workers == 0 or not is_dist() or "forkserver" not in multiprocessing.get_all_start_methods():
         return None

@@ -3,7 +3,7 @@
 `Trainer.from_config(config, dist_info).fit()` trains `config.train.iters` optimizer steps. A run stopped at
 iteration K and resumed computes the same losses as an uninterrupted run: the checkpoint holds the
 model, optimizer, scheduler, scaler, iteration and every process's RNG state (`state_dict` /
-`load_state_dict`: syncseg.engine.checkpointer's training_payload / resume_training, written by its
+`load_state_dict`: syncseg.engine.training_state's training_payload / resume_training, written by its
 Checkpointer), and the data order is a function of (train.seed, epoch). A stop that every process agreed on
 travels as one exception, StopTraining, from where it is seen to `fit`.
 """
@@ -21,7 +21,7 @@ import torch
 from syncseg.data.transforms import normalize_batch
 from syncseg.engine.accumulation import gradient_sync, step_normalizer
 from syncseg.engine.build import TrainingParts, build_training
-from syncseg.engine.checkpointer import Checkpointer, non_finite_error, resume_training, training_payload
+from syncseg.engine.training_state import Checkpointer, non_finite_error, resume_training, training_payload
 from syncseg.engine.config import Config, save_config
 from syncseg.engine.devices import autocast_for
 from syncseg.engine.distributed import DistInfo, all_reduce_sum
@@ -257,12 +257,12 @@ class Trainer:
                                 overrides=self.overrides, validation_due=self.validation_due)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a last.pt payload (syncseg.engine.checkpointer.resume_training)."""
+        """Continue from a last.pt payload (syncseg.engine.training_state.resume_training)."""
         self.iteration, self.best_miou, self.validation_due = resume_training(self.parts, state,
                                                                               checkpointer=self.checkpointer)
 
     def save(self, names: list[str]) -> None:
-        """Write run_dir/<name> for each name (syncseg.engine.checkpointer.Checkpointer.save; every process calls it).
+        """Write run_dir/<name> for each name (syncseg.engine.training_state.Checkpointer.save; every process calls it).
         best.pt shares the weights validation used (the averaged ones with train.ema_decay)."""
         state = self.state_dict()
         self.checkpointer.save(names, state, best_metrics=self.best_metrics, weights=state.get("ema"))

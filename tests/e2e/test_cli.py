@@ -99,7 +99,7 @@ def test_train_print_config_shows_every_key_and_round_trips(tmp_path, capsys):
 
 
 def test_print_config_of_a_resume_and_of_eval_reads_the_checkpoint(tmp_path, capsys):
-    from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+    from syncseg.engine.checkpoint_file import FORMAT_VERSION, save_checkpoint
     from syncseg.engine.config import load_config, to_dict
 
     config = load_config("demo.yaml", [f"output_dir={tmp_path}", "train.iters=9", "eval.mode=whole"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+from syncseg.engine.checkpoint_file import FORMAT_VERSION, save_checkpoint
 from syncseg.engine.config import load_config, to_dict
 from tests.e2e.common import read_metrics
 from tests.gloo import free_port, plain_environment, run_module_ranks, torchrun_environment

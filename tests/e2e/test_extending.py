@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from syncseg.data.registry import DATASET_KINDS, DatasetKind, register_dataset_kind
-from syncseg.engine.checkpoint import load_checkpoint
+from syncseg.engine.checkpoint_file import load_checkpoint
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.registry import LOSS_TERMS, PIXELS, register_loss_term

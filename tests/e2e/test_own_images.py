@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from syncseg.data.images import ImageFormat, read_image
-from syncseg.engine.checkpoint import load_checkpoint
+from syncseg.engine.checkpoint_file import load_checkpoint
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.trainer import Trainer

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from syncseg.engine.checkpoint import WEIGHTS_KEYS, load_checkpoint
+from syncseg.engine.checkpoint_file import WEIGHTS_KEYS, load_checkpoint
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.trainer import Trainer

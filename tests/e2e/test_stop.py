@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     import syncseg.engine.evaluate
     import syncseg.engine.precise_bn
     from syncseg.engine.allocator import keep_freed_memory
-    from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
+    from syncseg.engine.checkpoint_file import RESUME_KEYS, load_checkpoint
     from syncseg.engine.config import load_config
     from syncseg.engine.distributed import cleanup, setup_distributed
     from syncseg.engine.trainer import Trainer

@@ -65,7 +65,7 @@ def _validations(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_run_dir_holds_the_checkpoints_config_and_metrics_log(trained_run):
-    from syncseg.engine.checkpoint import load_checkpoint
+    from syncseg.engine.checkpoint_file import load_checkpoint
 
     for name in ("last.pt", "best.pt", "config.yaml", "metrics.jsonl"):
         assert (trained_run / name).is_file(), name
@@ -78,7 +78,7 @@ def test_run_dir_holds_the_checkpoints_config_and_metrics_log(trained_run):
 
 @pytest.mark.slow
 def test_best_checkpoint_holds_the_best_validation(trained_run):
-    from syncseg.engine.checkpoint import load_checkpoint
+    from syncseg.engine.checkpoint_file import load_checkpoint
 
     best = load_checkpoint(trained_run / "best.pt")
     val = _validations(trained_run)
@@ -126,7 +126,7 @@ def test_tensorboard_events_sit_in_the_run_dir_with_scalars_summary_and_grid(tra
 
 @pytest.mark.slow
 def test_eval_cli_on_best_checkpoint_reproduces_the_validation_miou(trained_run, tmp_path):
-    from syncseg.engine.checkpoint import load_checkpoint
+    from syncseg.engine.checkpoint_file import load_checkpoint
 
     output = tmp_path / "eval.json"
     process = subprocess.run(

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-import syncseg.engine.checkpoint
-from syncseg.engine.checkpoint import load_checkpoint
+import syncseg.engine.checkpoint_file
+from syncseg.engine.checkpoint_file import load_checkpoint
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.trainer import Trainer
@@ -69,7 +69,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_previous_checkpoint_sta
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, file, *args, **kwargs)
 
-    monkeypatch.setattr(syncseg.engine.checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(syncseg.engine.checkpoint_file.torch, "save", full_disk)
     code, errors = _train(f"output_dir={run_dir}", "train.iters=4", "train.ckpt_interval=1", capsys=capsys)
     assert code == 1 and len(errors) == 1, errors
     assert f"could not write checkpoint '{run_dir / 'last.pt'}': No space left on device" in errors[0]

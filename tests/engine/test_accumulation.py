@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncseg.engine.accumulation import describe_batches, describe_world_change, step_normalizer
-from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
+from syncseg.engine.checkpoint_file import RESUME_KEYS, load_checkpoint
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.config import TrainConfig

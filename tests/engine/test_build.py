@@ -94,7 +94,7 @@ def test_a_resume_by_another_world_size_reseeds_and_says_what_changed(tmp_path, 
     first.close()
     state["iteration"] = 3
     state["rng"] = {"per_rank": [capture_rng_state(), capture_rng_state()]}
-    with caplog.at_level(logging.INFO, logger="syncseg.engine.checkpointer"):
+    with caplog.at_level(logging.INFO, logger="syncseg.engine.training_state"):
         second = Trainer(build_training(config, DistInfo(), init_weights=False), resume=state, progress=False)
     assert torch.initial_seed() == mix_seed(config.train.seed, "train", 0, 3)
     assert ("resumed from world size 2 at world size 1: per-device batch 4 (was 2), global batch 4 unchanged; data "

@@ -1,5 +1,5 @@
-"""syncseg.engine.checkpoint (atomic save, checked load, weight files) and its users: the best.pt subset
-(checkpointer), loading for inference (inference_model), fine-tuning (build.init_from_weights), strict
+"""syncseg.engine.checkpoint_file (atomic save, checked load, weight files) and its users: the best.pt subset
+(training_state), loading for inference (model_from_checkpoint), fine-tuning (build.init_from_weights), strict
 loading (model.weights)."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from syncseg.engine.build import init_from_weights
-from syncseg.engine.checkpoint import FORMAT_VERSION, load_checkpoint, load_weights_file, save_checkpoint
+from syncseg.engine.checkpoint_file import FORMAT_VERSION, load_checkpoint, load_weights_file, save_checkpoint
 from syncseg.engine.config import Config, ModelConfig
 from syncseg.engine.config import from_dict, load_config, to_dict
-from syncseg.engine.inference_model import load_inference_model
+from syncseg.engine.model_from_checkpoint import load_inference_model
 from syncseg.model.builder import build_model
 from syncseg.model.weights import load_model_weights
 
@@ -183,7 +183,7 @@ def test_inference_model_takes_the_layout_training_took(tmp_path, train_amp, eva
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
-    from syncseg.engine.checkpoint import save_safetensors
+    from syncseg.engine.checkpoint_file import save_safetensors
     from syncseg.engine.atomic import current_umask
 
     previous = os.umask(umask)
@@ -199,8 +199,8 @@ def test_checkpoints_get_the_mode_the_umask_gives(tmp_path, umask, mode):
 
 
 def test_weights_payload_keeps_what_inference_needs_and_a_best_pt_cannot_be_resumed(tmp_path):
-    from syncseg.engine.checkpoint import RESUME_KEYS, WEIGHTS_KEYS
-    from syncseg.engine.checkpointer import weights_payload
+    from syncseg.engine.checkpoint_file import RESUME_KEYS, WEIGHTS_KEYS
+    from syncseg.engine.training_state import weights_payload
 
     full = {**_payload(nn.Linear(3, 2)), "run_id": "r1", "overrides": {"train.iters": "5"}}
     small = weights_payload(full, metrics={"miou": 0.5, "iou": [0.5, None]})
@@ -214,7 +214,7 @@ def test_weights_payload_keeps_what_inference_needs_and_a_best_pt_cannot_be_resu
 
 
 def test_a_safetensors_release_file_loads_like_a_checkpoint(tmp_path):
-    from syncseg.engine.checkpoint import peek_checkpoint, save_safetensors
+    from syncseg.engine.checkpoint_file import peek_checkpoint, save_safetensors
 
     path = tmp_path / "best.pt"
     source = _model_checkpoint(path)
@@ -236,7 +236,7 @@ def test_a_safetensors_release_file_loads_like_a_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("name", ["release.pt", "release", "release.SAFETENSORS"])
 def test_safetensors_are_written_only_under_the_name_the_loaders_read_as_safetensors(tmp_path, name):
-    from syncseg.engine.checkpoint import save_safetensors
+    from syncseg.engine.checkpoint_file import save_safetensors
 
     with pytest.raises(ValueError, match=r"must be named \*\.safetensors.*e\.g\. '.*release\.safetensors'"):
         save_safetensors(tmp_path / name, {"model": {"w": torch.ones(2)}})
@@ -307,7 +307,7 @@ def test_a_wrong_architecture_is_one_line_naming_file_and_both_architectures(tmp
 
 def test_the_non_finite_line_says_whether_a_good_checkpoint_exists(tmp_path):
     """A run that fails at iteration 1 has no last.pt: the line must not promise one (issue 34 item 4)."""
-    from syncseg.engine.checkpointer import non_finite_error
+    from syncseg.engine.training_state import non_finite_error
 
     early = str(non_finite_error("loss", iteration=1, run_dir=tmp_path))
     assert "No checkpoint was written yet" in early and "left untouched" not in early

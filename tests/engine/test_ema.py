@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
+from syncseg.engine.checkpoint_file import RESUME_KEYS, load_checkpoint
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.ema import ModelEMA

@@ -72,7 +72,7 @@ def test_the_trainer_logs_it_once_and_best_pt_stays_the_best_validation(tmp_path
     hold, and best.pt is the best validation's, not the last one's."""
     import torch
 
-    from syncseg.engine.checkpoint import load_checkpoint
+    from syncseg.engine.checkpoint_file import load_checkpoint
     from syncseg.engine.config import load_config
     from syncseg.engine.distributed import DistInfo
     from syncseg.engine.trainer import Trainer

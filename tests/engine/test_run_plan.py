@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncseg.engine.checkpoint import FORMAT_VERSION, save_checkpoint
+from syncseg.engine.checkpoint_file import FORMAT_VERSION, save_checkpoint
 from syncseg.engine.config import load_config, to_dict
 from syncseg.engine.distributed import DistInfo, Launch
 from syncseg.engine.run_plan import RunDirBusyError, RunDirLock, dist_timeout, plan_run

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from syncseg.engine.checkpoint import load_checkpoint, save_checkpoint
+from syncseg.engine.checkpoint_file import load_checkpoint, save_checkpoint
 from syncseg.engine.samplers import ResumableBatchSampler
 from syncseg.engine import seeding
 from syncseg.engine.seeding import SeededDataset, capture_rng_state, restore_rng_state, worker_init

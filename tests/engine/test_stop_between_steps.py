@@ -20,7 +20,7 @@ import torch
 import syncseg.engine.evaluate
 import syncseg.engine.precise_bn
 import syncseg.engine.visualize
-from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
+from syncseg.engine.checkpoint_file import RESUME_KEYS, load_checkpoint
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.trainer import Trainer

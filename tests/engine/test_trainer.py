@@ -1,5 +1,5 @@
 """Trainer as its loop (syncseg/engine/trainer.py): what is due after each step, the losses read back, one stop
-exception caught in fit, and the checkpointer module's resume and reseed. One process, in-process Trainers on a
+exception caught in fit, and the training_state module's resume and reseed. One process, in-process Trainers on a
 tiny model; signals in the middle of PreciseBN, a validation or the grid: tests/engine/test_stop_between_steps.py;
 under torchrun: tests/e2e/."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncseg.engine.checkpoint import RESUME_KEYS, load_checkpoint
-from syncseg.engine.checkpointer import ResumePoint, reseed_for_world_size, resume_training, training_payload
+from syncseg.engine.checkpoint_file import RESUME_KEYS, load_checkpoint
+from syncseg.engine.training_state import ResumePoint, reseed_for_world_size, resume_training, training_payload
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.trainer import Due, StopTraining, Trainer, read_back_losses
@@ -166,7 +166,7 @@ def test_the_payload_and_the_resume_point_round_trip(tmp_path):
 
 def test_a_resume_by_another_number_of_processes_is_reseeded_and_says_so(tmp_path, caplog):
     config = _config(tmp_path)
-    caplog.set_level(logging.INFO, logger="syncseg.engine.checkpointer")
+    caplog.set_level(logging.INFO, logger="syncseg.engine.training_state")
     reseed_for_world_size(config, DistInfo(), iteration=7, saved_world_size=4)
     first = torch.rand(3)
     assert any("4" in record.getMessage() for record in caplog.records)  # describe_world_change's line

@@ -210,7 +210,7 @@ def test_missing_or_corrupt_path_weights(tmp_path):
 
 
 def test_unwrap_state_dict_is_the_one_rule_for_wrapped_weight_files():
-    """Backbone weight files and model.init_checkpoint (syncseg.engine.checkpoint.load_weights_file) unwrap alike."""
+    """Backbone weight files and model.init_checkpoint (syncseg.engine.checkpoint_file.load_weights_file) unwrap alike."""
     from syncseg.model.backbones import unwrap_state_dict
 
     tensors = {"conv.weight": torch.zeros(1)}

@@ -10,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from syncseg.engine.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
+from syncseg.engine.checkpoint_file import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from syncseg.engine.config import load_config, to_dict
 
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "data.crop_size=32"]
@@ -121,14 +121,14 @@ def test_a_full_disk_is_one_line_naming_the_file_and_an_earlier_export_there_sta
 ])
 def test_a_name_the_loaders_would_misread_is_refused_before_anything_is_written(checkpoint, tmp_path, capsys,
                                                                                  monkeypatch, fmt, name, fragment):
-    import syncseg.engine.checkpoint
-    import syncseg.engine.inference_model
+    import syncseg.engine.checkpoint_file
+    import syncseg.engine.model_from_checkpoint
 
     def never(*args, **kwargs):
         raise AssertionError("read the checkpoint although the output name is refused")
 
-    monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", never)
-    monkeypatch.setattr(syncseg.engine.inference_model, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.checkpoint_file, "load_checkpoint", never)
+    monkeypatch.setattr(syncseg.engine.model_from_checkpoint, "load_inference_model", never)
     folder = tmp_path / "out"
     output = folder / name
     assert _script().main(["--checkpoint", str(checkpoint), "--format", fmt, "--output", str(output)]) == 2
@@ -139,9 +139,9 @@ def test_a_name_the_loaders_would_misread_is_refused_before_anything_is_written(
 
 
 def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_path, capsys, monkeypatch):
-    import syncseg.engine.checkpoint
+    import syncseg.engine.checkpoint_file
 
-    real = syncseg.engine.checkpoint.load_checkpoint
+    real = syncseg.engine.checkpoint_file.load_checkpoint
 
     def corrupting(path, **kwargs):
         payload = real(path, **kwargs)
@@ -150,7 +150,7 @@ def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_p
             payload["model"][first] = payload["model"][first] + 1
         return payload
 
-    monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", corrupting)
+    monkeypatch.setattr(syncseg.engine.checkpoint_file, "load_checkpoint", corrupting)
     output = tmp_path / "release.safetensors"
     assert _script().main(["--checkpoint", str(checkpoint), "--format", "safetensors", "--output", str(output)]) == 1
     assert _error_lines(capsys) == [f"syncseg-export: error: '{output}' does not hold the checkpoint's tensors; removed it"]
@@ -160,14 +160,14 @@ def test_a_safetensors_file_that_does_not_read_back_is_removed(checkpoint, tmp_p
 @pytest.mark.parametrize("fmt", ["torchscript", "safetensors"])
 def test_an_unwritable_output_names_the_path_before_reading_the_checkpoint(checkpoint, tmp_path, capsys,
                                                                            monkeypatch, fmt):
-    import syncseg.engine.checkpoint
-    import syncseg.engine.inference_model
+    import syncseg.engine.checkpoint_file
+    import syncseg.engine.model_from_checkpoint
 
     def never(*args, **kwargs):
         raise AssertionError("read the checkpoint although the output cannot be written")
 
-    monkeypatch.setattr(syncseg.engine.checkpoint, "load_checkpoint", never)
-    monkeypatch.setattr(syncseg.engine.inference_model, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.checkpoint_file, "load_checkpoint", never)
+    monkeypatch.setattr(syncseg.engine.model_from_checkpoint, "load_inference_model", never)
     blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
     blocker.write_text("not a folder")
     output = blocker / "sub" / f"model{'.safetensors' if fmt == 'safetensors' else '.pt'}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from syncseg.engine.checkpoint import save_checkpoint
+from syncseg.engine.checkpoint_file import save_checkpoint
 from tests.checkpoints import save_random_checkpoint
 
 TINY = ["model.backbone=resnet18", "model.head_channels=8", "model.aspp_rates=1,2,3", "model.norm=bn"]
@@ -247,12 +247,12 @@ def test_a_single_unreadable_input_file_is_a_bad_input(checkpoint, tmp_path, cap
 
 
 def test_an_unwritable_output_names_the_path_before_loading_the_model(checkpoint, tmp_path, capsys, monkeypatch):
-    import syncseg.engine.inference_model
+    import syncseg.engine.model_from_checkpoint
 
     def never(*args, **kwargs):
         raise AssertionError("loaded the model although the output cannot be written")
 
-    monkeypatch.setattr(syncseg.engine.inference_model, "load_inference_model", never)
+    monkeypatch.setattr(syncseg.engine.model_from_checkpoint, "load_inference_model", never)
     Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(tmp_path / "y.png")
     blocker = tmp_path / "file.txt"  # writing under a regular file fails, also as root (unlike chmod)
     blocker.write_text("not a folder")

@@ -1,7 +1,7 @@
 """The configuration schema: frozen dataclasses, and the one place every allowed value and limit is stated.
 
 Fixed choices are `Literal` annotations; the values of an extension point (data.dataset, model.backbone,
-model.arch, model.norm, train.loss's names) are its registry's (syncseg/registry.py), checked when a config
+model.arch, model.norm, train.loss's names) are its registry's (syncseg/lazy_registry.py), checked when a config
 is validated, so a kind registered by the user's code is accepted; numeric limits are `Limit`s attached to
 their fields; rules that involve several fields are in `validate()` (the data section's, which depend on
 the data set kind, in syncseg/engine/config/data_rules.py). Builders and datasets receive validated
@@ -25,7 +25,7 @@ from syncseg.engine.config.data_rules import check_data_for_its_kind
 from syncseg.engine.registry import LOSS_TERMS
 from syncseg.layout import config_dir
 from syncseg.model.registry import BACKBONES, HEADS, NORMS
-from syncseg.registry import Registry
+from syncseg.lazy_registry import Registry
 
 CONFIG_DIR = config_dir()
 

@@ -4,7 +4,7 @@
 the model for inf / nan first (on every process: a non-finite model stops the run and leaves the last good
 checkpoint untouched), gathers every process's RNG state into last.pt, and writes best.pt as the
 `weights_payload` subset; `resume_training` puts a last.pt back into the parts and the RNG streams (reseeded
-when another number of processes resumes). The file format is syncseg.engine.checkpoint's.
+when another number of processes resumes). The file format is syncseg.engine.checkpoint_file's.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from syncseg.engine.accumulation import describe_world_change
-from syncseg.engine.checkpoint import FORMAT_VERSION, WEIGHTS_KEYS, save_checkpoint
+from syncseg.engine.checkpoint_file import FORMAT_VERSION, WEIGHTS_KEYS, save_checkpoint
 from syncseg.engine.config import Config, from_dict, to_dict
 from syncseg.engine.distributed import DistInfo, all_reduce_sum, barrier, is_dist
 from syncseg.engine.ema import best_after_decay_change

@@ -11,8 +11,8 @@ existing checkpoint is either the old one or the new one, never half-written; th
 plain `open()` would give (0644 under umask 022), so teammates on a shared cluster can read them.
 A `.safetensors` file written by `python -m syncseg export --format safetensors` loads here too.
 
-What uses the files lives elsewhere: a training run's writing (syncseg.engine.checkpointer.Checkpointer), loading
-for inference (syncseg.engine.inference_model.load_inference_model), fine-tuning from `load_weights_file`
+What uses the files lives elsewhere: a training run's writing (syncseg.engine.training_state.Checkpointer), loading
+for inference (syncseg.engine.model_from_checkpoint.load_inference_model), fine-tuning from `load_weights_file`
 (syncseg.engine.build.init_from_weights), and matching a state dict to a model (syncseg.model.weights).
 """
 from __future__ import annotations

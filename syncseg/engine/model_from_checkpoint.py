@@ -1,7 +1,7 @@
 """Loading a checkpoint's model for inference: what eval.py, predict.py and export.py share.
 
 `load_inference_model`: checkpoint -> config (with overrides and CLI flags) -> model with the weights, on a
-device, in eval mode. The file is read by syncseg.engine.checkpoint, the weights matched strictly by
+device, in eval mode. The file is read by syncseg.engine.checkpoint_file, the weights matched strictly by
 syncseg.model.weights.load_model_weights.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from syncseg.engine.checkpoint import load_checkpoint
+from syncseg.engine.checkpoint_file import load_checkpoint
 from syncseg.engine.config import Config, from_dict, inference_config
 from syncseg.engine.devices import resolve_channels_last
 from syncseg.model.builder import build_model
