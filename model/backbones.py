@@ -43,11 +43,11 @@ import torchvision
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
+from syncseg.lazy_registry import load_object
 from syncseg.model.input_channels import RGB, adapt_input_channels
 from syncseg.model.norm import NormLayer
 from syncseg.model.registry import BACKBONES
 from syncseg.model.timm_encoder import build_timm_backbone, timm_model_name
-from syncseg.lazy_registry import load_object
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from syncseg.lazy_registry import load_object
 from syncseg.model.backbones import build_backbone
 from syncseg.model.deeplab import DeepLab
 from syncseg.model.heads import DeepLabV3Head, DeepLabV3PlusHead, FCNHead, aspp_rates_for
@@ -22,7 +23,6 @@ from syncseg.model.input_channels import RGB
 from syncseg.model.norm import NormLayer, norm_layers
 from syncseg.model.registry import HEADS
 from syncseg.model.sync_batchnorm import name_synchronized_layers
-from syncseg.lazy_registry import load_object
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
+from syncseg.lazy_registry import load_object
 from syncseg.model.registry import NORMS
 from syncseg.model.sync_batchnorm import SynchronizedBatchNorm2d, adopt_norm_state
-from syncseg.lazy_registry import load_object
 
 
 class NormLayer(Protocol):

@@ -38,10 +38,8 @@ def config_dir() -> Path:
     """The folder of the shipped configs (demo.yaml, voc.yaml, ...): `syncseg/configs` installed, the
     checkout's top-level `configs/` otherwise."""
     inside = PACKAGE_DIR / "configs"
-    if inside.is_dir():
-        return inside
-    root = checkout_root()
-    return (root if root is not None else PACKAGE_DIR) / "configs"
+    root = None if inside.is_dir() else checkout_root()
+    return inside if root is None else root / "configs"
 
 
 class CheckoutFinder(importlib.abc.MetaPathFinder):

@@ -115,7 +115,6 @@ def evaluate(
     return results
 
 
-
 def validate_during_training(parts: "TrainingParts", *, log: "MetricsLog", iteration: int, vis_indices: Sequence[int],
                              stop: "StopRequest | None" = None) -> dict[str, Any] | None:
     """A training run's validation at `iteration`: evaluate() on this process's validation shard (the same code path

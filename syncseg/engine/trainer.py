@@ -21,7 +21,6 @@ import torch
 from syncseg.data.transforms import normalize_batch
 from syncseg.engine.accumulation import gradient_sync, step_normalizer
 from syncseg.engine.build import TrainingParts, build_training
-from syncseg.engine.training_state import Checkpointer, non_finite_error, resume_training, training_payload
 from syncseg.engine.config import Config, save_config
 from syncseg.engine.devices import autocast_for
 from syncseg.engine.distributed import DistInfo, all_reduce_sum
@@ -32,6 +31,7 @@ from syncseg.engine.reporting import MetricsLog, Stopwatch, Throughput, log_trai
 from syncseg.engine.samplers import shutdown_workers, train_steps
 from syncseg.engine.seeding import seed_process
 from syncseg.engine.signals import StopRequest
+from syncseg.engine.training_state import Checkpointer, non_finite_error, resume_training, training_payload
 
 logger = logging.getLogger(__name__)
 

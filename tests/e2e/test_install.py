@@ -80,22 +80,17 @@ def _user_project(folder: Path) -> None:
 def test_the_wheel_installs_beside_a_project_with_its_own_data_and_model(tmp_path):
     wheel = _build_wheel(tmp_path)
     top_level = {Path(name).parts[0] for name in zipfile.ZipFile(wheel).namelist()}
-    assert top_level == {"syncseg", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
+    assert top_level == {"syncseg", top_level_info(wheel).rstrip("/")}
     assert any(name == "syncseg/configs/voc.yaml" for name in zipfile.ZipFile(wheel).namelist())
     assert not any("/tests/" in name for name in zipfile.ZipFile(wheel).namelist())
     assert {name for name in zipfile.ZipFile(wheel).namelist() if not name.startswith(top_level_info(wheel))} \
         == _package_files()
 
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "tests.linked_venv", str(venv), *RUNTIME], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
-                    "--disable-pip-version-check", "--no-index", "--no-deps", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    venv = _venv(tmp_path)
+    _pip_install(venv, str(wheel))
     project = tmp_path / "myproject"
     _user_project(project)
-    environment = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "PYTHONPATH": str(project), "HOME": str(tmp_path),
-                   "SYNCSEG_NATIVE_BF16": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    environment = {**_environment(tmp_path, venv), "PYTHONPATH": str(project)}
 
     def run(*command: str) -> subprocess.CompletedProcess:
         return subprocess.run(list(command), cwd=project, env=environment, capture_output=True, text=True,
@@ -132,6 +127,13 @@ def _venv(tmp_path: Path, *extra: str) -> Path:
     subprocess.run([sys.executable, "-m", "tests.linked_venv", str(venv), *RUNTIME, *extra], cwd=ROOT, check=True,
                    capture_output=True, timeout=300)
     return venv
+
+
+def _pip_install(venv: Path, *arguments: str) -> None:
+    """pip install, from this interpreter's pip into `venv`, offline and without dependencies (they are linked)."""
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
+                    "--disable-pip-version-check", "--no-index", "--no-deps", *arguments],
+                   check=True, capture_output=True, timeout=300)
 
 
 def _environment(tmp_path: Path, venv: Path) -> dict[str, str]:
@@ -173,9 +175,7 @@ def test_the_sdist_holds_the_folders_and_installs_the_same_package(tmp_path):
                  "syncseg/layout.py", "syncseg/__main__.py"):
         assert name in names, name
     venv = _venv(tmp_path, "setuptools")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
-                    "--disable-pip-version-check", "--no-index", "--no-deps", "--no-build-isolation", str(sdist)],
-                   check=True, capture_output=True, timeout=300)
+    _pip_install(venv, "--no-build-isolation", str(sdist))
     project = tmp_path / "myproject"
     _user_project(project)
     environment = {**_environment(tmp_path, venv), "PYTHONPATH": str(project)}
@@ -194,9 +194,7 @@ def test_the_sdist_holds_the_folders_and_installs_the_same_package(tmp_path):
 def test_an_editable_install_maps_the_checkouts_folders(tmp_path):
     source = _copy_sources(tmp_path)
     venv = _venv(tmp_path, "setuptools")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
-                    "--disable-pip-version-check", "--no-index", "--no-deps", "--no-build-isolation", "-e",
-                    str(source)], check=True, capture_output=True, timeout=300)
+    _pip_install(venv, "--no-build-isolation", "-e", str(source))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     environment = _environment(tmp_path, venv)

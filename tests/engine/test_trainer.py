@@ -4,6 +4,8 @@ tiny model; signals in the middle of PreciseBN, a validation or the grid: tests/
 under torchrun: tests/e2e/."""
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import math
 import os
@@ -14,10 +16,10 @@ import pytest
 import torch
 
 from syncseg.engine.checkpoint_file import RESUME_KEYS, load_checkpoint
-from syncseg.engine.training_state import ResumePoint, reseed_for_world_size, resume_training, training_payload
 from syncseg.engine.config import load_config
 from syncseg.engine.distributed import DistInfo
 from syncseg.engine.trainer import Due, StopTraining, Trainer, read_back_losses
+from syncseg.engine.training_state import ResumePoint, reseed_for_world_size, resume_training, training_payload
 from tests.engine.test_stop_between_steps import TIMING_FIELDS, TINY
 
 
@@ -31,8 +33,6 @@ def _trainer(run_dir: Path, *extra: str, resume: bool = False) -> Trainer:
 
 
 def _records(run_dir: Path) -> list[dict]:
-    import json
-
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{key: value for key, value in record.items() if key.split("/")[-1] not in TIMING_FIELDS}
             for record in records]
@@ -180,8 +180,6 @@ def test_a_resume_by_another_number_of_processes_is_reseeded_and_says_so(tmp_pat
 def test_the_trainer_stays_its_loop():
     """docs/design.md: the class holds the loop; the payload, resume, validation logging and records live in their
     modules. A class past 180 lines is growing rooms of its own again."""
-    import inspect
-
     source = inspect.getsource(Trainer)
     assert len(source.splitlines()) <= 180, f"Trainer is {len(source.splitlines())} lines"
     assert "except StopTraining" in inspect.getsource(Trainer.fit) and source.count("except StopTraining") == 1

@@ -24,8 +24,8 @@ from syncseg.data.registry import DATASET_KINDS
 from syncseg.engine.config.data_rules import check_data_for_its_kind
 from syncseg.engine.registry import LOSS_TERMS
 from syncseg.layout import config_dir
-from syncseg.model.registry import BACKBONES, HEADS, NORMS
 from syncseg.lazy_registry import Registry
+from syncseg.model.registry import BACKBONES, HEADS, NORMS
 
 CONFIG_DIR = config_dir()
 
