@@ -18,7 +18,7 @@ def save_random_checkpoint(path: Path, overrides: list[str], classes: list[str],
 
     config = load_config(None, overrides)
     torch.manual_seed(seed)
-    model = build_model(config.model, len(classes))
+    model = build_model(config.model, len(classes), in_channels=config.data.in_channels)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.BatchNorm2d):
