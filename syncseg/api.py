@@ -140,18 +140,29 @@ class Predictor:
 
 
 def load_model(checkpoint: str | Path, *, device: str | torch.device = "cpu",
-               overrides: list[str] | tuple[str, ...] = ()) -> Predictor:
+               overrides: list[str] | tuple[str, ...] = (), runtime: str = "torch",
+               exported: str | Path | None = None, threads: int = 0) -> Predictor:
     """A Predictor for a best.pt / last.pt of a syncseg run or a .safetensors export, on `device`.
 
     The network is rebuilt from the stored config; `overrides` (KEY=VALUE, e.g. "eval.mode=slide") apply on
-    top. Raises FileNotFoundError / ValueError naming the file or the tensor that does not fit.
+    top. `runtime` "onnxruntime" or "openvino" runs an ONNX export of the checkpoint on the CPU instead of
+    PyTorch (`exported`, or one written once beside the checkpoint; `threads` > 0 the runtime's thread count;
+    syncseg.engine.runtimes). Raises FileNotFoundError / ValueError naming the file or the tensor that does
+    not fit.
     """
     from syncseg.engine.allocator import keep_freed_memory
+    from syncseg.engine.cli import RUNTIMES
     from syncseg.engine.model_from_checkpoint import load_inference_model
+    from syncseg.engine.runtimes import RuntimeChoice
 
+    if runtime not in RUNTIMES:
+        raise ValueError(f"load_model: runtime={runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if runtime == "torch" and (exported is not None or threads):
+        raise ValueError("load_model: exported= and threads= apply to runtime='onnxruntime' or 'openvino'")
+    choice = None if runtime == "torch" else RuntimeChoice(runtime, Path(exported) if exported else None, threads)
     logging.getLogger("syncseg.api").info(keep_freed_memory())
     return Predictor.from_loaded(load_inference_model(checkpoint, device=torch.device(device),
-                                                      overrides=list(overrides)))
+                                                      overrides=list(overrides), runtime=choice))
 
 
 def predict(predictor: Predictor, image: np.ndarray | str | Path) -> np.ndarray:

@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syncseg.engine.cli import TIME_FORMAT, run_command, writing  # the standard library only
+from syncseg.engine.cli import (TIME_FORMAT, add_runtime_arguments, run_command, runtime_choice,  # the standard library only
+                                writing)
 
 # The engine (torch, torchvision, albumentations) is imported after the arguments are parsed, so that
 # --help and argument errors answer at once.
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--amp", help="precision for inference: auto, off, tf32, fp16 or bf16 (default: the checkpoint's "
                                       "eval.amp, which training's validation also uses, so both report the "
                                       "same numbers)")
+    add_runtime_arguments(parser)
     parser.add_argument("--save-predictions", metavar="DIR",
                         help="write DIR/color/<name>.png (palette) and DIR/labels/<name>.png (class ids; "
                              "Cityscapes: labelIds, ADE20K: 1..150, as the benchmark servers expect)")
@@ -148,7 +150,8 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     is_main = dist_info is None or dist_info.is_main
     torchrun_device = dist_info.device if dist_info is not None and dist_info.mode == "ddp" else None
     device = inference_device(args.device, torchrun_device=torchrun_device)
-    loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides, flags=_flags(args))
+    loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides, flags=_flags(args),
+                                  runtime=runtime_choice(args))
     config, classes = loaded.config, loaded.classes
     split = args.split or config.data.val_split
     dataset = build_dataset(config.data, split, train=False, compact_masks=True)  # uint8 masks where they fit
@@ -162,13 +165,17 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     if args.save_predictions:
         on_batch = _prediction_saver(Path(args.save_predictions), loader, dataset, config)
     # what eval.amp (auto by default) runs as on this device: the report states that, not "auto"
-    eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
+    if loaded.runtime == "torch":
+        eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
+    else:  # the runtime's precision was logged when it was loaded
+        eval_cfg = config.eval
     if is_main:
         logger.info("evaluating %s (iteration %s) on %s/%s: %d images, mode=%s%s, scales=%s, flip=%s, amp=%s, "
                     "device %s", args.checkpoint, loaded.iteration, config.data.dataset, split, len(dataset),
                     eval_cfg.mode, f" window={'x'.join(map(str, eval_cfg.window_size))} stride={'x'.join(map(str, eval_cfg.stride))}"
                     if eval_cfg.mode == "slide" else "", ",".join(map(str, eval_cfg.scales)), eval_cfg.flip,
-                    eval_cfg.amp, device)
+                    eval_cfg.amp if loaded.runtime == "torch" else f"{loaded.model.precision} in {loaded.runtime}",
+                    device)
     metrics = evaluate(loaded.model, loader, num_classes=len(classes), device=device, data_cfg=config.data,
                        eval_cfg=eval_cfg, classes=classes, progress=is_main and not args.no_progress,
                        on_batch=on_batch)
@@ -184,7 +191,9 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
             "scales": list(eval_cfg.scales),
             "flip": eval_cfg.flip,
             "base_size": config.data.base_size,
-            "amp": eval_cfg.amp,
+            "amp": eval_cfg.amp if loaded.runtime == "torch" else loaded.model.precision,
+            "runtime": loaded.runtime,
+            "exported": str(loaded.model.path) if loaded.runtime != "torch" else None,
             "ignore_index": config.data.ignore_index,
         },
         "num_images": metrics["num_images"],

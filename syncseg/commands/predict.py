@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
                         help="also predict the mirrored image and average (default: the checkpoint's eval.flip)")
     parser.add_argument("--amp", help="precision: auto, off, tf32, fp16 or bf16 (default: the checkpoint's eval.amp)")
+    from syncseg.engine.cli import add_runtime_arguments  # the standard library only
+
+    add_runtime_arguments(parser)
     parser.add_argument("--alpha", type=float, default=0.5,
                         help="overlay opacity of the class colors, 0..1 (background pixels stay untouched)")
     parser.add_argument("--legend", action="store_true", help="also write <output>/legend.png: each class color "
@@ -122,7 +125,7 @@ def run(args: argparse.Namespace) -> Outcome:
     from syncseg.data import BadSampleError, palette_image
     from syncseg.data.registry import dataset_kind
     from syncseg.data.images import ImageFormat, display_rgb, read_image
-    from syncseg.engine.cli import writing
+    from syncseg.engine.cli import runtime_choice, writing
     from syncseg.engine.devices import inference_device
     from syncseg.engine.devices import log_precision
     from syncseg.api import Predictor
@@ -136,16 +139,18 @@ def run(args: argparse.Namespace) -> Outcome:
     output = Path(args.output)
     with writing("masks and overlays under", output):  # before the model is loaded, not after the first image
         output.mkdir(parents=True, exist_ok=True)
+    choice = runtime_choice(args)  # a bad --exported/--threads before the model is loaded
     device = inference_device(args.device)
     loaded = load_inference_model(args.checkpoint, device=device, overrides=args.overrides,
                                   flags={"eval.mode": args.mode, "eval.scales": args.scales, "eval.flip": args.flip,
-                                         "eval.amp": args.amp})
+                                         "eval.amp": args.amp}, runtime=choice)
     config, classes = loaded.config, loaded.classes
     predictor = Predictor.from_loaded(loaded)
     # the kind's colours, without opening the dataset (its files may not exist here)
     palette = dataset_kind(config.data.dataset).palette_for(len(classes))
     base_size = config.data.base_size
-    log_precision("eval.amp", config.eval.amp, device)  # what the Predictor runs, in the log
+    if loaded.runtime == "torch":  # a runtime's precision was logged when it was loaded
+        log_precision("eval.amp", config.eval.amp, device)  # what the Predictor runs, in the log
     uncoloured = background_indices(classes)
     image_format = ImageFormat.of(config.data)  # the checkpoint's data.in_channels and data.max_value
     outcome = Outcome(num_images=len(images))

@@ -113,6 +113,37 @@ def describe_error(error: BaseException) -> str:
     return unwrap_worker_message(describe_os_error(error) if isinstance(error, OSError) else str(error))
 
 
+RUNTIMES = ("torch", "onnxruntime", "openvino")  # --runtime (syncseg.engine.runtimes runs the last two)
+
+
+def add_runtime_arguments(parser: Any) -> None:
+    """--runtime, --exported and --threads of eval.py and predict.py (syncseg.engine.runtimes)."""
+    parser.add_argument("--runtime", choices=RUNTIMES, default="torch",
+                        help="what runs the network: torch (PyTorch eager, the default), onnxruntime or openvino "
+                             "(an ONNX export of the checkpoint, written once into .syncseg-exports/ beside it "
+                             "unless --exported names one; CPU only)")
+    parser.add_argument("--exported", metavar="ONNX",
+                        help="with --runtime onnxruntime/openvino: this export of the checkpoint (e.g. the "
+                             "best.int8.onnx of `python -m syncseg export --format onnx --int8`)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="with --runtime onnxruntime/openvino: the runtime's thread count (default 0: its "
+                             "own choice, one per physical core)")
+
+
+def runtime_choice(args: Any) -> Any:
+    """The syncseg.engine.runtimes.RuntimeChoice of parsed --runtime/--exported/--threads (None for torch);
+    ValueError for --exported or --threads without a runtime that uses them."""
+    from pathlib import Path
+
+    from syncseg.engine.runtimes import RuntimeChoice
+
+    if args.runtime == "torch":
+        if args.exported is not None or args.threads:
+            raise ValueError("--exported and --threads apply to --runtime onnxruntime or openvino, not torch")
+        return None
+    return RuntimeChoice(args.runtime, Path(args.exported) if args.exported else None, args.threads)
+
+
 @contextmanager
 def writing(what: str, path: Any) -> Iterator[None]:
     """Let an OSError raised inside say what could not be written where: it becomes

@@ -217,8 +217,10 @@ def check_against_pytorch(module: nn.Module, run: Callable[[torch.Tensor], np.nd
                        argmax_agreement=same / max(1, total))
 
 
-def export_metadata(*, classes: Sequence[str], config: Any, checkpoint: Path, iteration: Any) -> dict[str, Any]:
-    """What a deployment needs to feed the model and read its output."""
+def export_metadata(*, classes: Sequence[str], config: Any, checkpoint: Path, iteration: Any,
+                    checkpoint_sha256: str | None = None) -> dict[str, Any]:
+    """What a deployment needs to feed the model and read its output; `checkpoint_sha256` (the checkpoint file's
+    sha256) lets `--runtime` tell an export of this checkpoint from another's (syncseg.engine.runtimes)."""
     data = config.data
     order = "RGB" if data.in_channels == 3 else "the files' channel order (RGB(A) first in colour files)"
     return {
@@ -233,4 +235,5 @@ def export_metadata(*, classes: Sequence[str], config: Any, checkpoint: Path, it
         "checkpoint": str(checkpoint),
         "iteration": iteration,
         "arch": f"{config.model.arch}/{config.model.backbone}/os{config.model.output_stride}",
+        **({"checkpoint_sha256": checkpoint_sha256} if checkpoint_sha256 else {}),
     }

@@ -7,6 +7,7 @@ syncseg.model.weights.load_model_weights.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,15 +32,18 @@ class InferenceModel:
     iteration: int | None
     path: Path
     device: torch.device
+    runtime: str = "torch"  # or the runtime that runs the exported file (syncseg.engine.runtimes)
 
 
 def load_inference_model(path: str | Path, *, device: torch.device, overrides: list[str] | tuple[str, ...] = (),
-                         flags: Mapping[str, Any] | None = None) -> InferenceModel:
+                         flags: Mapping[str, Any] | None = None, runtime: Any = None) -> InferenceModel:
     """Load checkpoint `path` (best.pt or last.pt) for evaluation or prediction on `device`.
 
     The model is rebuilt from the stored config; `overrides` (KEY=VALUE) and `flags` ({"eval.mode":
     ...}, None values ignored) apply on top. Raises FileNotFoundError / ValueError with one line
-    naming the file, the key or the mismatching tensor.
+    naming the file, the key or the mismatching tensor. `runtime` (a syncseg.engine.runtimes.RuntimeChoice)
+    other than torch runs an ONNX export of the checkpoint instead (a RuntimeModel, on the CPU); its config's
+    eval.amp is then "off" (the runtime computes in the precision eval.amp chose; PyTorch's parts in fp32).
     """
     path = Path(path)
     payload = load_checkpoint(path)
@@ -53,5 +57,13 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
     load_model_weights(model, payload.pop("model"), checkpoint=path,
                        saved_model_cfg=from_dict(payload["config"], source=source).model, model_cfg=config.model)
     model.to(device).eval()
-    return InferenceModel(model=model, config=config, classes=classes, iteration=payload.get("iteration"),
-                          path=path, device=device)
+    iteration = payload.get("iteration")
+    if runtime is not None and runtime.runtime != "torch":
+        from syncseg.engine.runtimes import runtime_model
+
+        model = runtime_model(model, config=config, classes=classes, checkpoint=path, iteration=iteration,
+                              choice=runtime, device=device)
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, amp="off"))
+        return InferenceModel(model=model, config=config, classes=classes, iteration=iteration, path=path,
+                              device=device, runtime=runtime.runtime)
+    return InferenceModel(model=model, config=config, classes=classes, iteration=iteration, path=path, device=device)
