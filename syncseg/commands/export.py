@@ -48,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", metavar="PATH",
                         help="where to write (default: beside the checkpoint, e.g. best.onnx, best.torchscript.pt, "
                              "best.pt2, best.safetensors)")
+    int8 = parser.add_argument_group("int8 (with --format onnx)")
+    int8.add_argument("--int8", action="store_true",
+                      help="also write an int8 quantization of the ONNX file (<name>.int8.onnx), calibrated on "
+                           "--calibrate training images, and report its validation mIoU beside the fp32 file's")
+    int8.add_argument("--calibrate", type=int, default=32, metavar="N",
+                      help="training images to calibrate the int8 ranges on (default 32)")
+    int8.add_argument("--calibration-method", default="percentile", choices=("percentile", "minmax", "entropy"),
+                      help="how the ranges are chosen from the calibration (default percentile)")
+    int8.add_argument("--max-miou-drop", type=float, default=1.0, metavar="POINTS",
+                      help="the int8 file may lose at most this many mIoU points against fp32 (default 1.0)")
+    int8.add_argument("--on-drop", choices=("refuse", "warn"), default="refuse",
+                      help="past --max-miou-drop: refuse (remove the int8 file, exit 1; the default) or warn")
     return parser
 
 
@@ -118,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.size is not None:
         parse_size(args.size, (0, 0))  # a bad --size fails before the model is loaded
+    if args.int8 and args.format != "onnx":
+        raise ValueError(f"--int8 quantizes an ONNX file: use it with --format onnx, not --format {args.format}")
+    if args.int8:
+        from syncseg.engine.runtimes import require_runtime
+
+        require_runtime("onnxruntime")  # quantizes and evaluates the int8 file
     checkpoint = Path(args.checkpoint)
     output = Path(args.output) if args.output else checkpoint.with_name(checkpoint.stem + SUFFIXES[args.format])
     if output.resolve() == checkpoint.resolve():
@@ -138,11 +156,18 @@ def run(args: argparse.Namespace) -> int:
                     output, output.stat().st_size / 2**20, len(payload["model"]))
         return 0
     loaded = load_inference_model(checkpoint, device=torch.device("cpu"), overrides=["model.channels_last=false"])
+    calibration = None
+    if args.int8:  # a calibration split smaller than --calibrate fails before anything is written
+        from syncseg.engine.int8 import calibration_inputs
+
+        calibration = calibration_inputs(loaded.config, len(loaded.classes), args.calibrate)
     module = export_ready(loaded.model)
     height, width = parse_size(args.size, loaded.config.data.crop_size)
     inputs = sample_inputs(height, width, channels=loaded.config.data.in_channels)
+    from syncseg.engine.runtimes import file_digest
+
     metadata = export_metadata(classes=loaded.classes, config=loaded.config, checkpoint=checkpoint,
-                               iteration=loaded.iteration)
+                               iteration=loaded.iteration, checkpoint_sha256=file_digest(checkpoint))
     with writing("export", output):
         dynamic = export_model(module, args.format, output, sample=inputs[0], metadata=metadata)
     logger.info("wrote %s (%s, %d classes; %s)", output, args.format, len(loaded.classes), dynamic)
@@ -155,6 +180,37 @@ def run(args: argparse.Namespace) -> int:
     if not result.passed:
         raise CommandFailed(f"'{output}' does not match PyTorch: {result.describe()}")
     logger.info("checked against PyTorch: %s", result.describe())
+    if calibration is not None:
+        return write_int8(args, loaded, output, calibration)
+    return 0
+
+
+def int8_name(output: Path) -> Path:
+    """best.onnx -> best.int8.onnx."""
+    return output.with_name(f"{output.stem}.int8{output.suffix or '.onnx'}")
+
+
+def write_int8(args: argparse.Namespace, loaded: object, output: Path, inputs: list) -> int:
+    """Quantize `output` (the checked fp32 ONNX file) to int8 on the calibration `inputs` and compare both
+    files on the validation split."""
+    from syncseg.engine.cli import CommandFailed, writing
+    from syncseg.engine.int8 import compare_miou, quantize_onnx
+
+    target = int8_name(output)
+    with writing("int8 export", target):
+        quantize_onnx(output, target, inputs, method=args.calibration_method)
+    logger.info("wrote %s (%.1f MB, int8 QDQ; %s calibration on %d inputs of %d training images)", target,
+                target.stat().st_size / 2**20, args.calibration_method, len(inputs), args.calibrate)
+    comparison = compare_miou(loaded.config, loaded.classes, output, target)
+    if comparison.drop_points > args.max_miou_drop:
+        problem = f"int8 loses more than --max-miou-drop {args.max_miou_drop:g}: {comparison.describe()}"
+        if args.on_drop == "refuse":
+            target.unlink(missing_ok=True)
+            raise CommandFailed(f"{problem}; removed '{target}' (more --calibrate images, another "
+                                f"--calibration-method, or --on-drop warn to keep it)")
+        logger.warning("%s; kept '%s' (--on-drop warn)", problem, target)
+        return 0
+    logger.info("%s", comparison.describe())
     return 0
 
 

@@ -21,7 +21,8 @@ PYTHON_CLIS = ["train.py", "eval.py"]
 SYNCSEG_COMMANDS = ["train", "eval", "predict", "export", "verify", "prepare-voc"]
 MODULES = ["syncseg.commands.train", "syncseg.commands.eval", "syncseg.commands.predict", "syncseg.commands.export", "syncseg.commands.verify_dataset", "syncseg.commands.prepare_voc"]
 BENCHMARKS = ["benchmarks.bench_syncbn", "benchmarks.bench_model", "benchmarks.bench_data", "benchmarks.bench_eval",
-              "benchmarks.bench_train", "benchmarks.bench_cuda", "benchmarks.bench_host_syncs"]
+              "benchmarks.bench_train", "benchmarks.bench_cuda", "benchmarks.bench_host_syncs",
+              "benchmarks.bench_runtimes"]
 HELP_CPU_SECONDS = 2.0
 
 
