@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -109,16 +109,36 @@ class Predictor:
 
     def predict_logits(self, image: np.ndarray | str | Path) -> torch.Tensor:
         """Logits num_classes x H x W (float32, on the CPU) for one image (see predict)."""
+        return self._logits([self._pixels(image)])[0]
+
+    def predict_many(self, images: Sequence[np.ndarray | str | Path], *, batch_size: int = 4) -> list[np.ndarray]:
+        """predict for each image, `batch_size` at a time: consecutive images of one size go through the
+        network as one batch (BatchNorm is in eval mode, so an image's mask does not depend on its
+        neighbours); images of another size start a new batch."""
+        if batch_size < 1:
+            raise ValueError(f"predict_many: batch_size={batch_size} must be at least 1")
+        masks: list[np.ndarray] = []
+        group: list[np.ndarray] = []
+        for pixels in (self._pixels(image) for image in images):
+            if group and (pixels.shape != group[0].shape or len(group) == batch_size):
+                masks += [logits.argmax(0).numpy() for logits in self._logits(group)]
+                group = []
+            group.append(pixels)
+        if group:
+            masks += [logits.argmax(0).numpy() for logits in self._logits(group)]
+        return masks
+
+    def _logits(self, group: list[np.ndarray]) -> torch.Tensor:
+        """Logits N x num_classes x H x W (float32, CPU) of images of one size (H x W x C arrays)."""
         from syncseg.engine.devices import resolve_precision
         from syncseg.engine.inference import predict_batch
 
-        pixels = self._pixels(image)
         eval_cfg = dataclasses.replace(self.config.eval, amp=resolve_precision(self.config.eval.amp, self.device)[0])
-        batch = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)[None].to(self.device)
+        batch = torch.stack([torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1) for pixels in group])
         with torch.inference_mode():
-            logits = predict_batch(self.model, batch, num_classes=len(self.classes), data_cfg=self.config.data,
-                                   eval_cfg=eval_cfg, long_side=self.config.data.base_size)
-        return logits[0].float().cpu()
+            logits = predict_batch(self.model, batch.to(self.device), num_classes=len(self.classes),
+                                   data_cfg=self.config.data, eval_cfg=eval_cfg, long_side=self.config.data.base_size)
+        return logits.float().cpu()
 
     def _pixels(self, image: np.ndarray | str | Path) -> np.ndarray:
         from syncseg.data.images import ImageFormat, read_image
@@ -151,9 +171,8 @@ def load_model(checkpoint: str | Path, *, device: str | torch.device = "cpu",
     not fit.
     """
     from syncseg.engine.allocator import keep_freed_memory
-    from syncseg.engine.cli import RUNTIMES
+    from syncseg.engine.cli import RUNTIMES, RuntimeChoice
     from syncseg.engine.model_from_checkpoint import load_inference_model
-    from syncseg.engine.runtimes import RuntimeChoice
 
     if runtime not in RUNTIMES:
         raise ValueError(f"load_model: runtime={runtime!r} is not one of {', '.join(RUNTIMES)}")

@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from syncseg.engine.cli import (TIME_FORMAT, add_runtime_arguments, run_command, runtime_choice,  # the standard library only
-                                writing)
+# the standard library only
+from syncseg.engine.cli import TIME_FORMAT, add_runtime_arguments, run_command, runtime_choice, writing
 
 # The engine (torch, torchvision, albumentations) is imported after the arguments are parsed, so that
 # --help and argument errors answer at once.

@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from syncseg.engine.cli import add_runtime_arguments  # the standard library only
 
     add_runtime_arguments(parser)
+    parser.add_argument("--batch-size", type=int, default=1, metavar="N",
+                        help="predict up to N consecutive images of one size together (default 1; more helps on a "
+                             "GPU and costs memory; slide windows are batched by eval.window_batch either way)")
     parser.add_argument("--alpha", type=float, default=0.5,
                         help="overlay opacity of the class colors, 0..1 (background pixels stay untouched)")
     parser.add_argument("--legend", action="store_true", help="also write <output>/legend.png: each class color "
@@ -134,6 +137,8 @@ def run(args: argparse.Namespace) -> Outcome:
 
     if not 0.0 <= args.alpha <= 1.0:
         raise ValueError(f"--alpha {args.alpha} must lie in [0, 1]")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
     images = find_images(Path(args.input))
     single_file = Path(args.input).is_file()
     output = Path(args.output)
@@ -155,6 +160,23 @@ def run(args: argparse.Namespace) -> Outcome:
     image_format = ImageFormat.of(config.data)  # the checkpoint's data.in_channels and data.max_value
     outcome = Outcome(num_images=len(images))
     large = []
+    pending: list[tuple[Path, Path, np.ndarray]] = []  # read, not yet predicted: consecutive images of one size
+
+    def flush() -> None:
+        masks = predictor.predict_many([image for _, _, image in pending], batch_size=len(pending)) if pending else []
+        for (image_path, stem, image), mask in zip(pending, masks):
+            labels = mask.astype(np.uint8)  # the API's path: the same normalization and eval settings
+            target = output / stem  # save_png creates the folders
+            with writing("masks and overlays under", output):
+                save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
+                save_png(overlay(display_rgb(image, image_format.max_value), labels, palette, alpha=args.alpha,
+                                 uncoloured=uncoloured),
+                         target.with_name(f"{target.name}_overlay.png"))
+            height, width = image.shape[:2]
+            present = ", ".join(classes[index] for index in np.unique(labels))
+            logger.info("%s (%dx%d): %s", image_path, width, height, present)
+        pending.clear()
+
     for image_path, stem in images:
         try:  # H x W x 3 uint8 RGB upright as viewers show it, or the checkpoint's channels and bit depth
             image = read_image(image_path, image_format, exif_orientation=True)
@@ -175,15 +197,12 @@ def run(args: argparse.Namespace) -> Outcome:
                                "with eval.window_size=%s if the model was trained on crops of images this large)",
                                image_path, width, height, LARGE_IMAGE_FACTOR, crop_text, max(crop), crop_text)
             large.append(image_path)
-        labels = predictor.predict(image).astype(np.uint8)  # the API's one-image path: same normalization
-        target = output / stem  # save_png creates the folders
-        with writing("masks and overlays under", output):
-            save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
-            save_png(overlay(display_rgb(image, image_format.max_value), labels, palette, alpha=args.alpha,
-                             uncoloured=uncoloured),
-                     target.with_name(f"{target.name}_overlay.png"))
-        present = ", ".join(classes[index] for index in np.unique(labels))
-        logger.info("%s (%dx%d): %s", image_path, width, height, present)
+        if pending and pending[0][2].shape != image.shape:
+            flush()
+        pending.append((image_path, stem, image))
+        if len(pending) >= args.batch_size:
+            flush()
+    flush()
     if len(large) > 1:
         logger.warning("%d of %d images were that large (see the warning above)", len(large), len(images))
     if args.legend:

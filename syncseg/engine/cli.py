@@ -31,6 +31,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from syncseg.engine.atomic import TEMPORARY_SUFFIX  # standard library only, like this module
@@ -130,13 +132,18 @@ def add_runtime_arguments(parser: Any) -> None:
                              "own choice, one per physical core)")
 
 
-def runtime_choice(args: Any) -> Any:
-    """The syncseg.engine.runtimes.RuntimeChoice of parsed --runtime/--exported/--threads (None for torch);
-    ValueError for --exported or --threads without a runtime that uses them."""
-    from pathlib import Path
+@dataclass
+class RuntimeChoice:
+    """What load_inference_model is asked to run the network in (syncseg.engine.runtimes.runtime_model)."""
 
-    from syncseg.engine.runtimes import RuntimeChoice
+    runtime: str = "torch"
+    exported: Path | None = None  # an ONNX file of this checkpoint; None: the cache's
+    threads: int = 0  # 0: the runtime's own choice
 
+
+def runtime_choice(args: Any) -> RuntimeChoice | None:
+    """The RuntimeChoice of parsed --runtime/--exported/--threads (None for torch); ValueError for
+    --exported or --threads without a runtime that uses them."""
     if args.runtime == "torch":
         if args.exported is not None or args.threads:
             raise ValueError("--exported and --threads apply to --runtime onnxruntime or openvino, not torch")

@@ -41,7 +41,7 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
 
     The model is rebuilt from the stored config; `overrides` (KEY=VALUE) and `flags` ({"eval.mode":
     ...}, None values ignored) apply on top. Raises FileNotFoundError / ValueError with one line
-    naming the file, the key or the mismatching tensor. `runtime` (a syncseg.engine.runtimes.RuntimeChoice)
+    naming the file, the key or the mismatching tensor. `runtime` (a syncseg.engine.cli.RuntimeChoice)
     other than torch runs an ONNX export of the checkpoint instead (a RuntimeModel, on the CPU); its config's
     eval.amp is then "off" (the runtime computes in the precision eval.amp chose; PyTorch's parts in fp32).
     """

@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from syncseg.engine.cli import RUNTIMES
+from syncseg.engine.cli import RUNTIMES, RuntimeChoice
 from syncseg.engine.devices import resolve_precision
 
 logger = logging.getLogger(__name__)
@@ -238,15 +237,6 @@ def cached_export(checkpoint: Path, export: Callable[[Path], None], *, digest: s
             problems.append(f"{folder}: {error.strerror or error}")
     raise OSError(f"could not write the ONNX export of '{checkpoint}' into any cache folder ({'; '.join(problems)}); "
                   "export it yourself (python -m syncseg export --format onnx --output FILE) and pass --exported FILE")
-
-
-@dataclass
-class RuntimeChoice:
-    """What load_inference_model was asked to run the model in."""
-
-    runtime: str = "torch"
-    exported: Path | None = None  # an ONNX file of this checkpoint; None: the cache's
-    threads: int = 0  # 0: the runtime's own choice
 
 
 def runtime_model(model: nn.Module, *, config: Any, classes: list[str], checkpoint: Path, iteration: Any,

@@ -88,7 +88,8 @@ def test_cli_end_to_end_matches_torchmetrics_and_saves_predictions(synthetic_che
     assert record["miou"] == pytest.approx(jaccard(reference_pred, masks).item(), abs=1e-6)
     assert record["num_images"] == 3 and record["split"] == "val" and record["iteration"] == 11
     assert record["protocol"] == {"mode": "whole", "window_size": None, "stride": None, "scales": [1.0],
-                                  "flip": False, "base_size": 0, "amp": "off", "ignore_index": 255}
+                                  "flip": False, "base_size": 0, "amp": "off", "runtime": "torch",
+                                  "exported": None, "ignore_index": 255}
     assert record["classes"] == list(dataset.classes)
     assert set(record["per_class"]) == set(dataset.classes)
     for name in dataset.classes:  # the printed table names every class
@@ -123,7 +124,8 @@ def test_flags_and_overrides_reach_the_protocol(synthetic_checkpoint, tmp_path, 
     assert runs["scale1"]["iou"] == runs["plain"]["iou"]
     assert runs["bigslide"]["iou"] == runs["plain"]["iou"]  # window larger than the 48 px images
     assert runs["tta"]["protocol"] == {"mode": "slide", "window_size": [40, 40], "stride": [24, 24], "scales": [0.75, 1.0],
-                                       "flip": True, "base_size": 0, "amp": "off", "ignore_index": 255}
+                                       "flip": True, "base_size": 0, "amp": "off", "runtime": "torch",
+                                       "exported": None, "ignore_index": 255}
     assert runs["tta"]["num_images"] == 2
 
 

@@ -262,3 +262,34 @@ def test_int8_with_another_format_is_exit_2(demo_checkpoint, tmp_path, capsys):
                           "--output", str(tmp_path / "m.torchscript.pt")])
     assert status == 2 and "--int8 quantizes an ONNX file: use it with --format onnx" in capsys.readouterr().err
     assert not (tmp_path / "m.torchscript.pt").exists()
+
+
+@pytest.mark.parametrize("runtime", ["torch", "onnxruntime"])
+def test_images_of_one_size_are_predicted_together_as_one_by_one(demo_checkpoint, runtime, tmp_path):
+    predictor = syncseg.load_model(demo_checkpoint, runtime=runtime)
+    images = [_image(3, np.uint8, seed=1), _image(3, np.uint8, seed=2), _image(3, np.uint8, size=(50, 60), seed=3),
+              _image(3, np.uint8, seed=4), _image(3, np.uint8, seed=5)]
+    batches = []
+    hook = predictor.model.register_forward_pre_hook(lambda module, args: batches.append(len(args[0])))
+    masks = predictor.predict_many(images, batch_size=2)
+    hook.remove()
+    assert batches == [2, 1, 2]  # 70x90 twice, the 50x60 alone, then the last two 70x90
+    for image, mask in zip(images, masks):
+        reference = predictor.predict_logits(image)
+        differ = mask != reference.argmax(0).numpy()
+        top2 = reference.topk(2, dim=0).values
+        near_tie = ((top2[0] - top2[1]) <= TIE * max(1.0, float(reference.abs().max()))).numpy()
+        assert mask.shape == image.shape[:2] and not (differ & ~near_tie).any()
+    # predict.py --batch-size writes the same masks as the API
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for index, image in enumerate(images):
+        Image.fromarray(image).save(folder / f"{index}.png")
+    predict = importlib.import_module("syncseg.commands.predict")
+    extra = [] if runtime == "torch" else ["--runtime", runtime]
+    assert predict.main(["--checkpoint", str(demo_checkpoint), "--input", str(folder), "--output",
+                         str(tmp_path / "out"), "--batch-size", "3", "--device", "cpu", *extra]) == 0
+    for index, mask in enumerate(masks):
+        assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / f"{index}_mask.png")), mask)
