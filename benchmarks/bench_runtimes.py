@@ -24,11 +24,16 @@ native bf16 the *_auto rows run fp32 (emulated bf16 is ~14x slower), so every ta
 int8 rows only and holds on the fp32 path.
 
     python -m benchmarks.bench_runtimes [--rounds 18] [--checkpoint best.pt] [--demo-iters 200]
-                                        [--scene-iters 200] [--backbone resnet18] [--output PATH]
+                                        [--scene-iters 200] [--backbone resnet18] [--isa avx2] [--output PATH]
+
+`--isa avx2` times the AVX2 path on an AVX-512 machine: PyTorch and OpenVINO capped at AVX2 kernels
+through ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA (set before torch starts), the bf16 rows left out;
+ONNX Runtime's MLAS has no such switch, so its rows keep their AVX-512 kernels and are not judged.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -49,6 +54,9 @@ VARIANTS = {  # name: (runtime, eval.amp, int8 file)
 }
 FP32 = ("ort_fp32", "ov_fp32")
 INT8 = ("ort_int8", "ov_int8")
+# --isa avx2: oneDNN (PyTorch's convolutions and OpenVINO's CPU plugin) and PyTorch's own kernels capped at
+# AVX2; ONNX Runtime's MLAS picks its kernels by cpuid and has no such switch
+FORCED_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 SIZES = ((375, 500), (1024, 1024))
 
 
@@ -64,10 +72,15 @@ def cpu_kind() -> tuple[str, list[str]]:
     return kind, sorted(flags & {"amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512f", "avx2"})
 
 
+def forced_avx2() -> bool:
+    return all(os.environ.get(name) == value for name, value in FORCED_AVX2.items())
+
+
 def train_demo(run_dir: Path, iters: int, backbone: str) -> Path:
     import syncseg
 
-    overrides = [f"train.iters={iters}", f"train.val_interval={iters}", f"train.ckpt_interval={iters}",
+    precision = ["train.amp=off"] if forced_avx2() else []  # bf16 capped at AVX2 is emulated, ~14x slower
+    overrides = [*precision, f"train.iters={iters}", f"train.val_interval={iters}", f"train.ckpt_interval={iters}",
                  "train.num_vis_images=0", f"model.backbone={backbone}", f"output_dir={run_dir}"]
     start = time.perf_counter()
     syncseg.train("demo.yaml", overrides, resume=None, overwrite=True, gpus="cpu", progress=False)
@@ -111,7 +124,10 @@ def bench_speed(checkpoint: Path, int8: Path, rounds: int) -> dict:
     import syncseg
 
     predictors = {}
+    capped = forced_avx2()
     for name, (runtime, amp, quantized) in VARIANTS.items():
+        if capped and amp == "auto":  # would run bf16 emulated on AVX2 kernels; auto means fp32 on such CPUs
+            continue
         keywords = {"runtime": runtime} if runtime == "torch" else {
             "runtime": runtime, "exported": int8 if quantized else None}
         layout = ["model.channels_last=false"] if name.endswith("_nchw") else []
@@ -131,17 +147,19 @@ def bench_speed(checkpoint: Path, int8: Path, rounds: int) -> dict:
                        "speedup": paired(base, values), "precision": precisions[name],
                        "pixels_as_torch_fp32": agreement[name]} for name, values in times.items()}
         control = paired(times["torch_fp32_copy"], base)
-        fastest_fp32 = max(FP32, key=lambda name: rows[name]["speedup"]["median"])
-        fastest_int8 = max(INT8, key=lambda name: rows[name]["speedup"]["median"])
+        judged = (lambda names: names) if not capped else (lambda names: [n for n in names if n.startswith("ov_")])
+        fastest_fp32 = max(judged(FP32), key=lambda name: rows[name]["speedup"]["median"])
+        fastest_int8 = max(judged(INT8), key=lambda name: rows[name]["speedup"]["median"])
         size = f"{height}x{width}"
         print(f"\n{size} (eval.mode=whole), {rounds} interleaved rounds")
         print(f"{'variant':<16} {'precision':>9} {'img/s':>7} {'ms':>7} {'x torch fp32':>12}  {'IQR':>11}  "
               f"{'same class as torch fp32':>24}")
         for name, row in rows.items():
             speed = row["speedup"]
+            uncapped = "  (not capped: AVX-512 kernels)" if capped and name.startswith("ort_") else ""
             print(f"{name:<16} {row['precision']:>9} {row['images_per_s']:7.2f} {row['median_ms']:7.1f} "
                   f"{speed['median']:12.2f}  {speed['q1']:5.2f}-{speed['q3']:<5.2f}  "
-                  f"{100 * row['pixels_as_torch_fp32']:23.3f}%")
+                  f"{100 * row['pixels_as_torch_fp32']:23.3f}%{uncapped}")
         targets = [judge(f"runtimes {size}: fastest fp32 ({fastest_fp32}) / torch eager fp32",
                          rows[fastest_fp32]["speedup"], target=1.5, control=control, higher_is_better=True),
                    judge(f"runtimes {size}: fastest int8 ({fastest_int8}) / torch eager fp32",
@@ -160,12 +178,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="iterations of small_data.yaml on the texture scene (0: skip the real-set figure)")
     parser.add_argument("--backbone", default="resnet18", help="the demo model's backbone (default resnet18)")
     parser.add_argument("--calibrate", type=int, default=32, help="int8 calibration images (as export.py --int8)")
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
+                        help="avx2: cap PyTorch and OpenVINO at AVX2 kernels (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA; "
+                             "ONNX Runtime cannot be capped, its rows are printed but not judged), no bf16 rows, "
+                             "no accuracy figures (the same arithmetic); writes bench_runtimes_avx2.json")
     parser.add_argument("--output", help="JSON path (default benchmarks/results/bench_runtimes.json)")
     args = parser.parse_args(argv)
+    if args.isa == "avx2" and not forced_avx2():
+        raise SystemExit("--isa avx2 must be set before torch starts: run python -m benchmarks.bench_runtimes --isa avx2")
     import onnxruntime
     import openvino
 
     kind, flags = cpu_kind()
+    if forced_avx2():
+        kind = f"AVX2 forced on {kind} (PyTorch and OpenVINO; ONNX Runtime uncapped)"
+        args.scene_iters = 0
     print(f"CPU kind {kind} (flags: {', '.join(flags) or 'none of interest'}); onnxruntime {onnxruntime.__version__}, "
           f"openvino {openvino.__version__}")
     with tempfile.TemporaryDirectory(prefix="bench-runtimes-") as folder:
@@ -173,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                               args.backbone)
         accuracy, targets = {}, []
         _, int8, comparison, used = int8_of(checkpoint, args.calibrate)
-        accuracy["demo"] = {**vars(comparison), "drop_points": comparison.drop_points, "calibration_images": used}
         print(f"demo int8 ({used} calibration images): {comparison.describe()}")
-        targets.append(judge("int8 mIoU drop on the demo's validation set (points)",
-                             {"median": comparison.drop_points}, target=1.0, control=None, unit=""))
+        if not forced_avx2():
+            accuracy["demo"] = {**vars(comparison), "drop_points": comparison.drop_points, "calibration_images": used}
+            targets.append(judge("int8 mIoU drop on the demo's validation set (points)",
+                                 {"median": comparison.drop_points}, target=1.0, control=None, unit=""))
         if args.scene_iters > 0:
             scene_checkpoint = train_scene(Path(folder) / "scene", args.scene_iters)
             _, _, scene, scene_used = int8_of(scene_checkpoint, args.calibrate)
@@ -188,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         speed = bench_speed(checkpoint, int8, args.rounds)
     targets = [target for size in speed.values() for target in size["targets"]] + targets
     print_targets(targets)
-    write_record("bench_runtimes", args.output, {
+    write_record("bench_runtimes_avx2" if forced_avx2() else "bench_runtimes", args.output, {
         "environment": environment(cpu_kind=kind, cpu_flags=flags, onnxruntime=onnxruntime.__version__,
                                    openvino=openvino.__version__),
         "model": f"demo.yaml (deeplabv3plus/{args.backbone}, 6 classes)", "accuracy": accuracy, "speed": speed,
@@ -197,5 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--isa=avx2" in sys.argv or any(a == "--isa" and b == "avx2" for a, b in zip(sys.argv, sys.argv[1:])):
+        os.environ.update(FORCED_AVX2)  # before torch is imported (this module imports it lazily)
     stable_allocator("benchmarks.bench_runtimes", sys.argv[1:])
     sys.exit(main())
