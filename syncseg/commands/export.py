@@ -25,6 +25,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from syncseg.engine.registry import EXPORT_FORMATS  # plain Python
 
@@ -48,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", metavar="PATH",
                         help="where to write (default: beside the checkpoint, e.g. best.onnx, best.torchscript.pt, "
                              "best.pt2, best.safetensors)")
+    qgis = parser.add_argument_group("QGIS Deepness plugin (with --format onnx)")
+    qgis.add_argument("--deepness", action="store_true",
+                      help="write an ONNX file the QGIS Deepness plugin runs (<name>.deepness.onnx): square tiles "
+                           "of --size (default data.crop_size), the raster's values / 255 in, class probabilities "
+                           "out, its metadata (class names, tile size, overlap, resolution)")
+    qgis.add_argument("--tiles-overlap", type=int, metavar="PERCENT",
+                      help="with --deepness: the overlap of the plugin's tiles, percent of the tile (default 15)")
+    qgis.add_argument("--resolution", type=float, metavar="CM",
+                      help="with --deepness: the ground resolution the model was trained at, centimetres per pixel "
+                           "(the plugin resamples the map to it; default: not set, the user picks it)")
+    qgis.add_argument("--seg-threshold", type=float, metavar="P",
+                      help="with --deepness: the plugin's class confidence threshold (default: not set)")
     int8 = parser.add_argument_group("int8 (with --format onnx)")
     int8.add_argument("--int8", action="store_true",
                       help="also write an int8 quantization of the ONNX file (<name>.int8.onnx), calibrated on "
@@ -132,12 +145,19 @@ def run(args: argparse.Namespace) -> int:
         parse_size(args.size, (0, 0))  # a bad --size fails before the model is loaded
     if args.int8 and args.format != "onnx":
         raise ValueError(f"--int8 quantizes an ONNX file: use it with --format onnx, not --format {args.format}")
+    if args.deepness and (args.format != "onnx" or args.int8):
+        raise ValueError("--deepness writes an fp32 ONNX file: use it with --format onnx and without --int8")
+    stray = [flag for flag, value in (("--tiles-overlap", args.tiles_overlap), ("--resolution", args.resolution),
+                                      ("--seg-threshold", args.seg_threshold)) if value is not None]
+    if stray and not args.deepness:
+        raise ValueError(f"{', '.join(stray)} set the QGIS Deepness plugin's metadata: add --deepness")
     if args.int8:
         from syncseg.engine.runtimes import require_runtime
 
         require_runtime("onnxruntime")  # quantizes and evaluates the int8 file
     checkpoint = Path(args.checkpoint)
-    output = Path(args.output) if args.output else checkpoint.with_name(checkpoint.stem + SUFFIXES[args.format])
+    suffix = ".deepness.onnx" if args.deepness else SUFFIXES[args.format]
+    output = Path(args.output) if args.output else checkpoint.with_name(checkpoint.stem + suffix)
     if output.resolve() == checkpoint.resolve():
         raise ValueError(f"--output '{output}' is the checkpoint itself; choose another path")
     check_output_name(args.format, output)  # before anything is read or written
@@ -162,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
 
         calibration = calibration_inputs(loaded.config, len(loaded.classes), args.calibrate)
     module = export_ready(loaded.model)
+    if args.deepness:
+        return write_deepness(args, loaded, module, checkpoint, output)
     height, width = parse_size(args.size, loaded.config.data.crop_size)
     inputs = sample_inputs(height, width, channels=loaded.config.data.in_channels)
     from syncseg.engine.runtimes import file_digest
@@ -182,6 +204,44 @@ def run(args: argparse.Namespace) -> int:
     logger.info("checked against PyTorch: %s", result.describe())
     if calibration is not None:
         return write_int8(args, loaded, output, calibration)
+    return 0
+
+
+def write_deepness(args: argparse.Namespace, loaded: Any, module: Any, checkpoint: Path, output: Path) -> int:
+    """The QGIS Deepness plugin's file (syncseg.engine.deepness), checked in onnxruntime against PyTorch."""
+    import torch
+
+    from syncseg.engine.cli import CommandFailed, writing
+    from syncseg.engine.deepness import DEFAULT_OVERLAP, DeepnessModel, check_options, deepness_metadata, merged
+    from syncseg.engine.export_formats import (MissingRuntimeError, check_against_pytorch, export_metadata,
+                                               export_model, load_runner)
+    from syncseg.engine.runtimes import file_digest
+
+    data = loaded.config.data
+    overlap = DEFAULT_OVERLAP if args.tiles_overlap is None else args.tiles_overlap
+    tile = check_options(parse_size(args.size, data.crop_size), overlap, args.resolution, args.seg_threshold)
+    model = DeepnessModel(module, max_value=data.max_value, mean=data.mean, std=data.std).eval()
+    generator = torch.Generator().manual_seed(0)
+    top = data.max_value / 255.0  # the plugin's input: the raster's values / 255
+    sample, check = (torch.rand(1, data.in_channels, tile, tile, generator=generator) * top for _ in range(2))
+    metadata = merged(export_metadata(classes=loaded.classes, config=loaded.config, checkpoint=checkpoint,
+                                      iteration=loaded.iteration, checkpoint_sha256=file_digest(checkpoint)),
+                      deepness_metadata(classes=loaded.classes, tile=tile, overlap=overlap,
+                                        resolution=args.resolution, threshold=args.seg_threshold))
+    with writing("export", output):
+        export_model(model, "onnx", output, sample=sample, metadata=metadata, dynamic=False)
+    logger.info("wrote %s (QGIS Deepness: tiles %dx%d, overlap %d%%, %d classes%s)", output, tile, tile,
+                overlap, len(loaded.classes),
+                f", {args.resolution:g} cm/px" if args.resolution is not None else ", resolution not set")
+    try:
+        runner = load_runner("onnx", output)
+    except MissingRuntimeError as missing:
+        logger.warning("%s", missing)
+        return 0
+    result = check_against_pytorch(model, runner, [check])
+    if not result.passed:
+        raise CommandFailed(f"'{output}' does not match PyTorch: {result.describe()}")
+    logger.info("checked against PyTorch (probabilities): %s", result.describe())
     return 0
 
 

@@ -107,9 +107,9 @@ def _dimension_ranges(program: Any) -> str:
 
 
 def export_model(module: LogitsModel, fmt: str, path: Path, *, sample: torch.Tensor,
-                 metadata: Mapping[str, Any]) -> str:
+                 metadata: Mapping[str, Any], dynamic: bool = True) -> str:
     """Write `module` in format `fmt` (onnx | torchscript | exported) to `path`; returns a line on its
-    dynamic dimensions. The file is written atomically (syncseg.engine.atomic.write_atomically: an export
+    dynamic dimensions (`dynamic` False: ONNX with the sample's shape fixed, as the Deepness plugin needs). The file is written atomically (syncseg.engine.atomic.write_atomically: an export
     already at `path` stays whole when this fails, and a full disk is an OSError naming the file).
     Raises ValueError when the exporter (or its packages) fails."""
     text = json.dumps(dict(metadata))
@@ -134,7 +134,8 @@ def export_model(module: LogitsModel, fmt: str, path: Path, *, sample: torch.Ten
                              "in requirements-test.txt)") from None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(module, (sample,), None, dynamo=True, dynamic_shapes=_dynamic_shapes(),
+            program = torch.onnx.export(module, (sample,), None, dynamo=True,
+                                        dynamic_shapes=_dynamic_shapes() if dynamic else None,
                                         input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], verbose=False)
         model_proto = program.model_proto
         for key, value in metadata.items():

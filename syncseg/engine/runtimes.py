@@ -190,6 +190,9 @@ def check_export_matches(path: Path, metadata: Mapping[str, Any], *, checkpoint:
     if metadata.get("producer") != "syncseg":
         raise ValueError(f"'{path}' was not written by `syncseg export` (its metadata has no producer=syncseg), so "
                          f"nothing says it is checkpoint '{checkpoint}''s model")
+    if metadata.get("deepness"):
+        raise ValueError(f"'{path}' is a QGIS Deepness export (fixed tiles, values / 255 in, probabilities out), "
+                         "not the plain ONNX file a --runtime runs: export with --format onnx, without --deepness")
     if len(metadata.get("classes") or []) != len(expected["classes"]):
         raise ValueError(f"'{path}' predicts {len(metadata.get('classes') or [])} classes, checkpoint '{checkpoint}' "
                          f"{len(expected['classes'])}: export this checkpoint (python -m syncseg export --checkpoint "
