@@ -40,7 +40,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from benchmarks.common import environment, judge, paired, print_targets, stable_allocator, time_interleaved
 from benchmarks.common import write_record

@@ -167,15 +167,16 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     # what eval.amp (auto by default) runs as on this device: the report states that, not "auto"
     if loaded.runtime == "torch":
         eval_cfg = dataclasses.replace(config.eval, amp=log_precision("eval.amp", config.eval.amp, device))
+        precision, exported = eval_cfg.amp, None
     else:  # the runtime's precision was logged when it was loaded
         eval_cfg = config.eval
+        precision, exported = loaded.model.precision, str(loaded.model.path)
     if is_main:
         logger.info("evaluating %s (iteration %s) on %s/%s: %d images, mode=%s%s, scales=%s, flip=%s, amp=%s, "
                     "device %s", args.checkpoint, loaded.iteration, config.data.dataset, split, len(dataset),
                     eval_cfg.mode, f" window={'x'.join(map(str, eval_cfg.window_size))} stride={'x'.join(map(str, eval_cfg.stride))}"
                     if eval_cfg.mode == "slide" else "", ",".join(map(str, eval_cfg.scales)), eval_cfg.flip,
-                    eval_cfg.amp if loaded.runtime == "torch" else f"{loaded.model.precision} in {loaded.runtime}",
-                    device)
+                    precision if exported is None else f"{precision} in {loaded.runtime}", device)
     metrics = evaluate(loaded.model, loader, num_classes=len(classes), device=device, data_cfg=config.data,
                        eval_cfg=eval_cfg, classes=classes, progress=is_main and not args.no_progress,
                        on_batch=on_batch)
@@ -191,9 +192,9 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
             "scales": list(eval_cfg.scales),
             "flip": eval_cfg.flip,
             "base_size": config.data.base_size,
-            "amp": eval_cfg.amp if loaded.runtime == "torch" else loaded.model.precision,
+            "amp": precision,
             "runtime": loaded.runtime,
-            "exported": str(loaded.model.path) if loaded.runtime != "torch" else None,
+            "exported": exported,
             "ignore_index": config.data.ignore_index,
         },
         "num_images": metrics["num_images"],

@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
 
     from syncseg.engine.checkpoint_file import load_checkpoint, save_safetensors
     from syncseg.engine.cli import CommandFailed, writing
-    from syncseg.engine.export_formats import (SUFFIXES, MissingRuntimeError, check_against_pytorch, export_metadata, export_model,
-                               export_ready, load_runner, sample_inputs)
+    from syncseg.engine.export_formats import SUFFIXES, export_metadata, export_model, export_ready, sample_inputs
     from syncseg.engine.model_from_checkpoint import load_inference_model
+    from syncseg.engine.runtimes import file_digest
 
     if args.size is not None:
         parse_size(args.size, (0, 0))  # a bad --size fails before the model is loaded
@@ -182,40 +182,48 @@ def run(args: argparse.Namespace) -> int:
 
         calibration = calibration_inputs(loaded.config, len(loaded.classes), args.calibrate)
     module = export_ready(loaded.model)
-    if args.deepness:
-        return write_deepness(args, loaded, module, checkpoint, output)
-    height, width = parse_size(args.size, loaded.config.data.crop_size)
-    inputs = sample_inputs(height, width, channels=loaded.config.data.in_channels)
-    from syncseg.engine.runtimes import file_digest
-
     metadata = export_metadata(classes=loaded.classes, config=loaded.config, checkpoint=checkpoint,
                                iteration=loaded.iteration, checkpoint_sha256=file_digest(checkpoint))
+    if args.deepness:
+        return write_deepness(args, loaded, module, metadata, output)
+    height, width = parse_size(args.size, loaded.config.data.crop_size)
+    inputs = sample_inputs(height, width, channels=loaded.config.data.in_channels)
     with writing("export", output):
         dynamic = export_model(module, args.format, output, sample=inputs[0], metadata=metadata)
     logger.info("wrote %s (%s, %d classes; %s)", output, args.format, len(loaded.classes), dynamic)
-    try:
-        runner = load_runner(args.format, output)
-    except MissingRuntimeError as missing:
-        logger.warning("%s", missing)
+    if not check_written(args.format, module, output, inputs):
         return 0
-    result = check_against_pytorch(module, runner, inputs)
-    if not result.passed:
-        raise CommandFailed(f"'{output}' does not match PyTorch: {result.describe()}")
-    logger.info("checked against PyTorch: %s", result.describe())
     if calibration is not None:
         return write_int8(args, loaded, output, calibration)
     return 0
 
 
-def write_deepness(args: argparse.Namespace, loaded: Any, module: Any, checkpoint: Path, output: Path) -> int:
-    """The QGIS Deepness plugin's file (syncseg.engine.deepness), checked in onnxruntime against PyTorch."""
+def check_written(fmt: str, module: Any, output: Path, inputs: list, *, compared: str = "") -> bool:
+    """Run the written file on `inputs` beside `module`: True when it matches, False (with a warning) when its
+    runtime is not installed; CommandFailed when it differs."""
+    from syncseg.engine.cli import CommandFailed
+    from syncseg.engine.export_formats import MissingRuntimeError, check_against_pytorch, load_runner
+
+    try:
+        runner = load_runner(fmt, output)
+    except MissingRuntimeError as missing:
+        logger.warning("%s", missing)
+        return False
+    result = check_against_pytorch(module, runner, inputs)
+    if not result.passed:
+        raise CommandFailed(f"'{output}' does not match PyTorch: {result.describe()}")
+    logger.info("checked against PyTorch%s: %s", f" ({compared})" if compared else "", result.describe())
+    return True
+
+
+def write_deepness(args: argparse.Namespace, loaded: Any, module: Any, metadata: dict, output: Path) -> int:
+    """The QGIS Deepness plugin's file (syncseg.engine.deepness), checked in onnxruntime against PyTorch;
+    `metadata` is export_metadata's, the plugin's keys go on top."""
     import torch
 
-    from syncseg.engine.cli import CommandFailed, writing
+    from syncseg.engine.cli import writing
     from syncseg.engine.deepness import DEFAULT_OVERLAP, DeepnessModel, check_options, deepness_metadata, merged
-    from syncseg.engine.export_formats import (MissingRuntimeError, check_against_pytorch, export_metadata,
-                                               export_model, load_runner)
-    from syncseg.engine.runtimes import file_digest
+    from syncseg.engine.export_formats import export_model
 
     data = loaded.config.data
     overlap = DEFAULT_OVERLAP if args.tiles_overlap is None else args.tiles_overlap
@@ -224,24 +232,14 @@ def write_deepness(args: argparse.Namespace, loaded: Any, module: Any, checkpoin
     generator = torch.Generator().manual_seed(0)
     top = data.max_value / 255.0  # the plugin's input: the raster's values / 255
     sample, check = (torch.rand(1, data.in_channels, tile, tile, generator=generator) * top for _ in range(2))
-    metadata = merged(export_metadata(classes=loaded.classes, config=loaded.config, checkpoint=checkpoint,
-                                      iteration=loaded.iteration, checkpoint_sha256=file_digest(checkpoint)),
-                      deepness_metadata(classes=loaded.classes, tile=tile, overlap=overlap,
-                                        resolution=args.resolution, threshold=args.seg_threshold))
+    metadata = merged(metadata, deepness_metadata(classes=loaded.classes, tile=tile, overlap=overlap,
+                                                  resolution=args.resolution, threshold=args.seg_threshold))
     with writing("export", output):
         export_model(model, "onnx", output, sample=sample, metadata=metadata, dynamic=False)
     logger.info("wrote %s (QGIS Deepness: tiles %dx%d, overlap %d%%, %d classes%s)", output, tile, tile,
                 overlap, len(loaded.classes),
                 f", {args.resolution:g} cm/px" if args.resolution is not None else ", resolution not set")
-    try:
-        runner = load_runner("onnx", output)
-    except MissingRuntimeError as missing:
-        logger.warning("%s", missing)
-        return 0
-    result = check_against_pytorch(model, runner, [check])
-    if not result.passed:
-        raise CommandFailed(f"'{output}' does not match PyTorch: {result.describe()}")
-    logger.info("checked against PyTorch (probabilities): %s", result.describe())
+    check_written("onnx", model, output, [check], compared="probabilities")
     return 0
 
 

@@ -109,8 +109,9 @@ def _dimension_ranges(program: Any) -> str:
 def export_model(module: LogitsModel, fmt: str, path: Path, *, sample: torch.Tensor,
                  metadata: Mapping[str, Any], dynamic: bool = True) -> str:
     """Write `module` in format `fmt` (onnx | torchscript | exported) to `path`; returns a line on its
-    dynamic dimensions (`dynamic` False: ONNX with the sample's shape fixed, as the Deepness plugin needs). The file is written atomically (syncseg.engine.atomic.write_atomically: an export
-    already at `path` stays whole when this fails, and a full disk is an OSError naming the file).
+    dynamic dimensions (`dynamic` False: ONNX with the sample's shape fixed, as the Deepness plugin needs).
+    The file is written atomically (syncseg.engine.atomic.write_atomically: an export already at `path` stays
+    whole when this fails, and a full disk is an OSError naming the file).
     Raises ValueError when the exporter (or its packages) fails."""
     text = json.dumps(dict(metadata))
     if fmt == "torchscript":

@@ -58,12 +58,12 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
                        saved_model_cfg=from_dict(payload["config"], source=source).model, model_cfg=config.model)
     model.to(device).eval()
     iteration = payload.get("iteration")
-    if runtime is not None and runtime.runtime != "torch":
+    runtime_name = "torch" if runtime is None else runtime.runtime
+    if runtime_name != "torch":
         from syncseg.engine.runtimes import runtime_model
 
         model = runtime_model(model, config=config, classes=classes, checkpoint=path, iteration=iteration,
                               choice=runtime, device=device)
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, amp="off"))
-        return InferenceModel(model=model, config=config, classes=classes, iteration=iteration, path=path,
-                              device=device, runtime=runtime.runtime)
-    return InferenceModel(model=model, config=config, classes=classes, iteration=iteration, path=path, device=device)
+    return InferenceModel(model=model, config=config, classes=classes, iteration=iteration, path=path, device=device,
+                          runtime=runtime_name)

@@ -68,9 +68,7 @@ def runtime_precision(runtime: str, amp: str, device: torch.device) -> tuple[str
         return "fp32", "onnxruntime's CPU kernels are fp32"
     if chosen == "fp16":
         raise ValueError(f"eval.amp={amp}: openvino on the CPU runs fp32 or bf16, not fp16; use off, auto or bf16")
-    if chosen == "bf16":
-        return "bf16", why
-    return "fp32", why
+    return ("bf16" if chosen == "bf16" else "fp32"), why
 
 
 class RuntimeModel(nn.Module):
@@ -137,7 +135,6 @@ def openvino_runner(path: Path, *, threads: int = 0, precision: str = "fp32") ->
 
 def open_runtime(runtime: str, path: Path, *, precision: str, threads: int = 0) -> RuntimeModel:
     """A RuntimeModel of `path` in `runtime` (onnxruntime | openvino)."""
-    require_runtime(runtime)
     if not Path(path).is_file():
         raise FileNotFoundError(f"exported model '{path}' does not exist")
     if runtime == "onnxruntime":
