@@ -39,6 +39,11 @@ class DatasetKind:
     reads_mask_files: bool = True  # data.label_map and data.class_colors apply
     reduces_zero_label: bool = False  # data.reduce_zero_label applies
     any_image_format: bool = False  # images beyond 8-bit RGB (data.in_channels, data.max_value)
+    # the classes come from the data's own files (annotation exports): data.num_classes is not set, and
+    # data.class_names, when given, is the class list; label_ids: data.label_map maps the files' numeric label
+    # ids (COCO category ids, YOLO class ids) to classes
+    classes_from_files: bool = False
+    label_ids: bool = False
     # class index -> the raw label the benchmark server expects (256 entries, "package.module:attribute"),
     # for eval.py --save-predictions; None = the class index itself
     benchmark_labels: str | None = None
@@ -102,4 +107,9 @@ register_dataset_kind(DatasetKind(
     default_num_classes=SYNTHETIC_DEFAULT_NUM_CLASSES, reads_mask_files=False))
 register_dataset_kind(DatasetKind("folder", "syncseg.data.folder:build_folder", reduces_zero_label=True,
                                   any_image_format=True))
+# labels as annotation tools export them (syncseg.data.annotations)
+for _name, _label_ids in (("coco", True), ("labelme", False), ("cvat", False), ("yolo_seg", True),
+                          ("label_studio", False)):
+    register_dataset_kind(DatasetKind(_name, f"syncseg.data.annotations.dataset:build_{_name}", reads_mask_files=False,
+                                      any_image_format=True, classes_from_files=True, label_ids=_label_ids))
 

@@ -20,7 +20,9 @@ without the image libraries' own log lines.
     python -m syncseg verify --config ade20k.yaml data.root=/data/ADEChallengeData2016
 
 Exit status and error lines: syncseg/engine/cli.py (0 every sample is good; 1 some are bad (each is listed),
-or --output cannot be written (named); 2 the dataset or config cannot be opened). A count that
+or --output cannot be written (named); 2 the dataset or config cannot be opened, or an annotation export
+(data.dataset coco, labelme, cvat, yolo_seg, label_studio) has problems the start of training refuses: each is a
+BAD line naming the file and the annotation). A count that
 differs from the official one is reported, not an error.
 """
 from __future__ import annotations
@@ -94,7 +96,13 @@ class _Stats:
             stored = read_stored_image(image_path)
         except BadSampleError:
             return image, labels  # only the config's reader reads it (e.g. a float TIFF as RGB), or nothing does
-        if labels is None:
+        if labels is None and hasattr(self.dataset, "labels_for"):  # annotation shapes: drawn for the stored size
+            try:
+                labels = self.dataset.labels_for(index, *stored.shape[:2])
+            except BadSampleError as error:
+                if str(error) not in errors:
+                    errors.append(str(error))
+        elif labels is None:
             try:
                 raw = self.dataset.masks.read_raw(mask_path)
                 if raw.shape != stored.shape[:2]:
@@ -313,6 +321,8 @@ def verify(args: argparse.Namespace) -> int:
     """Check the splits `args` name and print the report; returns 0, or 1 when some sample is bad.
     FileNotFoundError / ValueError when the config or a dataset cannot be opened."""
     from syncseg.data import SegmentationDataset, build_dataset
+    from syncseg.data.annotations.common import AnnotationError
+    from syncseg.data.annotations.dataset import AnnotatedSegmentation
     from syncseg.data.base import START_CHECK_MASKS
     from syncseg.engine.atomic import write_atomically
     from syncseg.engine.cli import writing
@@ -322,10 +332,17 @@ def verify(args: argparse.Namespace) -> int:
     data_cfg = config.data
     splits = [s for s in args.splits.split(",") if s] or list(dict.fromkeys([data_cfg.train_split,
                                                                                 data_cfg.val_split]))
-    datasets = {split: build_dataset(data_cfg, split, train=False) for split in splits}
+    datasets = {}
+    for split in splits:
+        try:
+            datasets[split] = build_dataset(data_cfg, split, train=False)
+        except AnnotationError as error:  # every problem of the export on a line of its own, then exit 2
+            for problem in error.problems:
+                print(f"  BAD: {problem}")
+            raise
     report: dict[str, Any] = {"dataset": data_cfg.dataset, "root": data_cfg.root, "splits": {}}
     formats: dict[str, dict[tuple[int, int], ChannelStats]] = {}
-    total_bad = 0
+    total_bad = bad_annotations = 0
     for split, dataset in datasets.items():
         stats = verify_split(dataset, workers=args.workers, limit=args.limit)
         # the dataset's own name for the split (ADE20K: train -> training)
@@ -347,7 +364,16 @@ def verify(args: argparse.Namespace) -> int:
         stats["image_formats"] = [{**item.config(), "bits": item.bits, "num_images": item.num_images,
                                    "value_range": [item.low.tolist(), item.high.tolist()]}
                                   for item in formats[split].values()]
-        if isinstance(dataset, SegmentationDataset):  # the start of training's look at the listing and the masks
+        if isinstance(dataset, AnnotatedSegmentation):  # every shape of every sample, one line per problem
+            shapes = dataset.inspect_masks(args.limit, every_line=True)
+            stats["warnings"] = [*dataset.listing_warnings, *shapes.warnings]
+            stats["bad_annotations"] = shapes.bad
+            bad_annotations += len(shapes.bad)
+            for message in shapes.bad:
+                print(f"  BAD: {message}")
+            for message in stats["warnings"]:
+                print(f"  WARNING: {message}")
+        elif isinstance(dataset, SegmentationDataset):  # the start of training's look at the listing and the masks
             stats["warnings"] = [*dataset.listing_warnings, *dataset.inspect_masks(START_CHECK_MASKS).warnings]
             for message in stats["warnings"]:
                 print(f"  WARNING: {message}")
@@ -364,6 +390,9 @@ def verify(args: argparse.Namespace) -> int:
         with writing("statistics", args.output):  # atomically: an earlier file there stays whole on failure
             write_atomically(Path(args.output), lambda file: file.write(text), what="statistics")
         print(f"wrote {args.output}")
+    if bad_annotations:  # what the start of training refuses: bad input, as for a malformed export
+        print(f"{bad_annotations} sample(s) with bad annotations (BAD lines above): training refuses them at start")
+        return 2
     return 1 if total_bad else 0
 
 

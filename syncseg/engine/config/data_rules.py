@@ -12,7 +12,12 @@ from syncseg.data.registry import DATASET_KINDS, DatasetKind, dataset_kind
 
 def check_data_for_its_kind(data: Any, source: str) -> None:
     """ValueError when the `data` section (a DataConfig) asks of its data.dataset kind what the kind does not do."""
-    _check_class_count(data, dataset_kind(data.dataset), source)
+    kind = dataset_kind(data.dataset)
+    if kind.classes_from_files:
+        _check_annotation_kind(data, kind, source)
+        _check_image_format(data, source)
+        return
+    _check_class_count(data, kind, source)
     if data.class_names and len(data.class_names) != data.num_classes:
         raise ValueError(f"{source}: data.class_names has {len(data.class_names)} names but "
                          f"data.num_classes={data.num_classes}")
@@ -33,6 +38,36 @@ def _check_class_count(data: Any, kind: DatasetKind, source: str) -> None:
         default = f" (0 = its default, {kind.default_num_classes})" if kind.default_num_classes else ""
         raise ValueError(f"{source}: data.num_classes={data.num_classes}: the {kind.name} dataset has "
                          f"{kind.min_classes} to {kind.max_classes} classes{default}")
+
+
+def _check_annotation_kind(data: Any, kind: DatasetKind, source: str) -> None:
+    """A kind whose classes come from its annotation files: data.num_classes is not set, data.class_names (when
+    given) is the class list, and data.label_map maps numeric label ids where the files have them."""
+    if data.num_classes and data.num_classes != len(data.class_names):
+        raise ValueError(f"{source}: data.num_classes={data.num_classes}, but dataset '{kind.name}' takes its classes "
+                         "from its annotation files (or data.class_names); leave data.num_classes at 0")
+    if len(set(data.class_names)) != len(data.class_names):
+        raise ValueError(f"{source}: data.class_names lists a name twice: {list(data.class_names)}")
+    if len(data.class_names) >= min(data.ignore_index, 256) and data.ignore_index < 256:
+        raise ValueError(f"{source}: data.class_names has {len(data.class_names)} classes, which reaches "
+                         f"data.ignore_index={data.ignore_index}")
+    used = [key for key, value in (("data.class_colors", data.class_colors),
+                                   ("data.reduce_zero_label", data.reduce_zero_label)) if value]
+    if data.label_map and not kind.label_ids:
+        used.insert(0, "data.label_map")
+    if used:
+        advice = ("data.class_names sets the class list and data.ignore_labels the labels that mark ignored pixels"
+                  + ("; data.label_map maps the numeric ids of coco and yolo_seg" if used[0] == "data.label_map"
+                     else ""))
+        raise ValueError(f"{source}: {used[0]} is set but dataset '{kind.name}' has no mask files: its labels are "
+                         f"the names in its annotation files; {advice}")
+    raws = [raw for raw, _ in data.label_map]
+    for raw, target in data.label_map:
+        if raws.count(raw) > 1:
+            raise ValueError(f"{source}: data.label_map lists the id {raw} twice")
+        if target != IGNORE and data.class_names and not 0 <= target < len(data.class_names):
+            raise ValueError(f"{source}: data.label_map maps {raw} to {target}; expected a class index 0.."
+                             f"{len(data.class_names) - 1} of data.class_names or {IGNORE}")
 
 
 def _kinds_where(flag: str) -> str:

@@ -121,12 +121,22 @@ class DataConfig:
     ignore_index: int = _limited(IGNORE_INDEX, _LABEL)  # mask value that no loss or metric counts
     # class count of a kind without a class list of its own (folder: required; synthetic: 2..8); 0 = its default
     num_classes: int = _limited(0, _LABEL)
-    class_names: tuple[str, ...] = ()  # folder: optional names, len == num_classes
+    # folder: optional names, len == num_classes; annotation kinds: the class list (else the export's own)
+    class_names: tuple[str, ...] = ()
     skip_bad_samples: bool = False  # warn and skip unreadable / inconsistent samples instead of raising
     # mask encodings (docs/own-data.md); every file-backed dataset reads its masks through one table
     label_map: LabelMap = ()  # raw mask value -> class index or ignore, over the dataset's own reading
     reduce_zero_label: bool = False  # folder: raw 0 is ignored and raw k is class k-1 (ADE-style masks)
     class_colors: ClassColors = ()  # colour-coded masks: RGB colour -> class index or ignore
+    # labels as annotation tools export them (data.dataset coco | labelme | cvat | yolo_seg | label_studio;
+    # docs/own-data.md): the export's file or folder under data.root ("" = found by split name; set, splits are
+    # "all" or <split>.txt lists of image names), what pixels no shape covers are, the label names that mark
+    # ignored regions, COCO's iscrowd regions, and the width of lines in pixels
+    annotations: str = ""
+    uncovered: Literal["background", "ignore"] = "background"
+    ignore_labels: tuple[str, ...] = ("__ignore__",)
+    iscrowd: Literal["ignore", "category"] = "ignore"
+    line_width: float = _limited(10.0, Limit(gt=0))
     # images beyond 8-bit RGB (data/images.py; folder datasets): channels per pixel, and the value of full
     # scale, which also says the bit depth: up to 255 the files are 8-bit, above it 16-bit (4095: 12-bit data)
     in_channels: int = _limited(RGB_CHANNELS, Limit(ge=1, le=MAX_CHANNELS))

@@ -1,0 +1,288 @@
+"""Annotation shapes -> label masks, drawn as the tool that wrote them draws them.
+
+Every reader (syncseg.data.annotations.coco, labelme, cvat, yolo_seg, label_studio) turns its files into
+`AnnotatedImage`s: an image file and its `Shape`s in the order the tool shows them. `rasterize` draws them
+into one HxW uint8 label image: pixels no shape covers get the `uncovered` value (a background class or the
+ignore label), and later shapes (a higher `z`, then a later place in the file) are drawn over earlier ones.
+
+Coordinates are image pixels, x to the right and y down. Each tool fills polygons its own way, and a
+mask that must equal the tool's own export has to follow it (`Shape.style`):
+
+- "coco": pycocotools' polygon rasterization (`frPyObjects`), what COCO's `annToMask`, CVAT's COCO and mask
+  exports (datumaro) and every pycocotools-based tool do;
+- "pil": PIL's `ImageDraw` with the outline drawn, what labelme's `shape_to_mask` / labelme2voc and Label
+  Studio's converter do (integer coordinates are pixel centres);
+- "corners": coordinates where 0 and the image size are the image's edges (YOLO's normalized polygons times
+  the image size): a pixel is inside when its centre is (even-odd).
+
+Problems with a shape are found by `shape_problems` (the start of training looks at 32 samples,
+verify_dataset at all): a self-intersecting polygon is an error, polygons of fewer than 3 points, zero-area
+shapes and coordinates outside the image are warnings (the first two draw nothing, the last is clipped).
+"""
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from syncseg.data.annotations.codecs import decode_bitmap
+
+STYLES = ("coco", "pil", "corners")
+KINDS = ("polygon", "rectangle", "circle", "line", "point", "rle", "bitmap")
+
+
+@dataclass
+class Shape:
+    """One annotated region.
+
+    `label` is the key the class table maps (a label name, or a numeric id: a COCO category id, a YOLO class
+    id); `ident` names the shape in messages ("annotation 17", "shape 3"). By `kind`:
+    polygon: `rings` (one or more (N, 2) arrays of x, y, filled together: a COCO object of several parts);
+    rectangle: two opposite corners in `rings[0]`; circle: the centre and a point on the circle;
+    line: the points of a polyline `width` pixels wide; point: one point, a disc of radius `width`;
+    rle: a pycocotools RLE dict covering the whole image; bitmap: `bitmap` (bool h x w, or `encoded` in
+    `encoding`) with its top-left pixel at (`left`, `top`).
+    """
+
+    label: str | int
+    kind: str
+    ident: str
+    rings: list[np.ndarray] = field(default_factory=list)
+    style: str = "coco"
+    z: float = 0.0
+    width: float = 0.0
+    rle: Any = None
+    bitmap: np.ndarray | None = None
+    encoding: str = ""  # a bitmap kept encoded until drawn: "cvat", "brush" or "png" (syncseg.data.annotations.codecs)
+    encoded: Any = None
+    left: int = 0
+    top: int = 0
+    crowd: bool = False
+
+
+@dataclass
+class AnnotatedImage:
+    """An image and its shapes, as one annotation file lists them.
+
+    `image` is the image file (None when the annotation file embeds the image: `embedded`, base64 bytes of an
+    encoded image, labelme's imageData); `stated_size` is (height, width) as the annotation file states it
+    (None when it does not); `source` is the annotation file, which messages name.
+    """
+
+    name: str
+    image: Path | None
+    source: Path
+    shapes: list[Shape]
+    stated_size: tuple[int, int] | None = None
+    embedded: str | None = None
+    ident: str = ""  # how the file names the image (a COCO image id, a Label Studio task id)
+    normalized: bool = False  # coordinates are fractions of the image's width and height (YOLO)
+
+    def describe(self) -> str:
+        where = f" ({self.ident})" if self.ident else ""
+        return f"'{self.source}'{where}"
+
+
+def decode_embedded_image(data: str) -> np.ndarray:
+    """labelme's imageData (base64 of an encoded image) -> HxWx3 uint8 RGB."""
+    with Image.open(io.BytesIO(base64.b64decode(data))) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def _coco_rings_mask(rings: Sequence[np.ndarray], height: int, width: int) -> np.ndarray:
+    from pycocotools import mask as coco_mask
+
+    flat = [np.asarray(ring, dtype=np.float64).reshape(-1).tolist() for ring in rings]
+    # frPyObjects reads a first entry of 4 numbers as a box: rings of fewer than 3 points never get here
+    rles = coco_mask.frPyObjects(flat, height, width)
+    return coco_mask.decode(coco_mask.merge(rles)).astype(bool)
+
+
+def _pil_mask(height: int, width: int, draw: Callable[[ImageDraw.ImageDraw], None]) -> np.ndarray:
+    canvas = Image.new("L", (width, height), 0)
+    draw(ImageDraw.Draw(canvas))
+    return np.asarray(canvas).astype(bool)
+
+
+def _corner_fill(rings: Sequence[np.ndarray], height: int, width: int) -> np.ndarray:
+    """Pixels whose centre lies inside the rings (even-odd: a ring inside another is a hole), with 0 and the
+    image size the image's edges. Per row of pixel centres, every edge that crosses it toggles the pixels from
+    the first centre at or right of the crossing: the row's cumulative count is odd inside."""
+    mask = np.zeros((height, width), dtype=bool)
+    rings = [np.asarray(ring, dtype=np.float64).reshape(-1, 2) for ring in rings]
+    start = np.concatenate(rings)
+    end = np.concatenate([np.roll(ring, -1, axis=0) for ring in rings])
+    low = max(0, int(np.floor(start[:, 1].min() - 0.5)))
+    high = min(height, int(np.ceil(start[:, 1].max() + 0.5)))
+    if high <= low:
+        return mask
+    centres = np.arange(low, high, dtype=np.float64)[:, None] + 0.5
+    y0, y1 = start[None, :, 1], end[None, :, 1]
+    crossing = (y0 <= centres) != (y1 <= centres)  # half-open: a vertex on the row counts once
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = start[None, :, 0] + (centres - y0) * (end[None, :, 0] - start[None, :, 0]) / (y1 - y0)
+    rows, edges = np.nonzero(crossing)
+    columns = np.clip(np.ceil(x[rows, edges] - 0.5), 0, width).astype(np.int64)
+    toggles = np.zeros((high - low, width + 1), dtype=np.int32)
+    np.add.at(toggles, (rows, columns), 1)
+    mask[low:high] = (np.cumsum(toggles, axis=1)[:, :width] % 2).astype(bool)
+    return mask
+
+
+def _points(ring: np.ndarray) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in np.asarray(ring, dtype=np.float64).reshape(-1, 2)]
+
+
+def shape_mask(shape: Shape, height: int, width: int) -> np.ndarray:
+    """The bool HxW pixels `shape` covers in an image of `height` x `width` (nothing for a shape that draws
+    nothing: a polygon ring of fewer than 3 points). Raises ValueError naming the shape for an RLE of another
+    image size."""
+    rings = [ring for ring in shape.rings if len(ring) >= 3] if shape.kind == "polygon" else shape.rings
+    if shape.kind == "rle":
+        from pycocotools import mask as coco_mask
+
+        size = tuple(int(v) for v in shape.rle["size"])
+        if size != (height, width):
+            raise ValueError(f"{shape.ident}: its RLE is {size[1]}x{size[0]} (width x height) but the image is "
+                             f"{width}x{height}")
+        return coco_mask.decode(shape.rle).astype(bool)
+    if shape.kind == "bitmap":
+        mask = np.zeros((height, width), dtype=bool)
+        bitmap = shape.bitmap if shape.bitmap is not None else decode_bitmap(shape.encoding, shape.encoded)
+        top, left = shape.top, shape.left
+        y0, x0 = max(top, 0), max(left, 0)
+        y1, x1 = min(top + bitmap.shape[0], height), min(left + bitmap.shape[1], width)
+        if y1 > y0 and x1 > x0:
+            mask[y0:y1, x0:x1] = bitmap[y0 - top:y1 - top, x0 - left:x1 - left]
+        return mask
+    if not rings:
+        return np.zeros((height, width), dtype=bool)
+    if shape.kind == "polygon":
+        if shape.style == "coco":
+            return _coco_rings_mask(rings, height, width)
+        if shape.style == "corners":
+            return _corner_fill(rings, height, width)
+        return _pil_mask(height, width, lambda draw: [draw.polygon(_points(ring), fill=1, outline=1) for ring in rings])
+    points = _points(rings[0])
+    if shape.kind == "rectangle":
+        (x0, y0), (x1, y1) = points[0], points[-1]
+        box = [min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)]
+        if shape.style == "pil":
+            return _pil_mask(height, width, lambda draw: draw.rectangle(box, fill=1, outline=1))
+        corners = np.array([[box[0], box[1]], [box[2], box[1]], [box[2], box[3]], [box[0], box[3]]])
+        return _coco_rings_mask([corners], height, width) if shape.style == "coco" else _corner_fill(
+            [corners], height, width)
+    if shape.kind == "circle":
+        (cx, cy), (px, py) = points[0], points[-1]
+        radius = float(np.hypot(cx - px, cy - py))
+        return _pil_mask(height, width, lambda draw: draw.ellipse(
+            [cx - radius, cy - radius, cx + radius, cy + radius], fill=1, outline=1))
+    if shape.kind == "point":
+        (cx, cy), radius = points[0], shape.width
+        return _pil_mask(height, width, lambda draw: draw.ellipse(
+            [cx - radius, cy - radius, cx + radius, cy + radius], fill=1, outline=1))
+    if shape.kind == "line":
+        line_width = max(1, int(round(shape.width)))
+        return _pil_mask(height, width, lambda draw: draw.line(points, fill=1, width=line_width))
+    raise AssertionError(f"unknown shape kind {shape.kind!r}")
+
+
+def rasterize(shapes: Sequence[Shape], height: int, width: int, *, value_of: Callable[[Shape], int | None],
+              uncovered: int) -> np.ndarray:
+    """HxW uint8 labels: `uncovered` where no shape is, else the value `value_of(shape)` of the shape drawn
+    last there (by `z`, then by its place in `shapes`); shapes whose value is None are not drawn."""
+    labels = np.full((height, width), uncovered, dtype=np.uint8)
+    order = sorted(range(len(shapes)), key=lambda index: shapes[index].z)  # stable: file order within a z
+    for index in order:
+        value = value_of(shapes[index])
+        if value is not None:
+            labels[shape_mask(shapes[index], height, width)] = value
+    return labels
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def ring_area(ring: np.ndarray) -> float:
+    """The shoelace area of a closed ring of (x, y) points (pixels^2, unsigned)."""
+    xy = np.asarray(ring, dtype=np.float64).reshape(-1, 2)
+    x, y = xy[:, 0], xy[:, 1]
+    return float(abs(np.dot(x, np.roll(y, -1)) - np.dot(y, np.roll(x, -1))) / 2)
+
+
+def self_intersection(ring: np.ndarray) -> tuple[float, float] | None:
+    """A point where two non-adjacent edges of the closed ring properly cross (touching does not count),
+    or None. O(n^2) in the ring's points, vectorized per edge."""
+    xy = np.asarray(ring, dtype=np.float64).reshape(-1, 2)
+    keep = np.ones(len(xy), dtype=bool)
+    keep[1:] = np.any(xy[1:] != xy[:-1], axis=1)  # repeated points make zero-length edges
+    xy = xy[keep]
+    if len(xy) > 1 and np.array_equal(xy[0], xy[-1]):
+        xy = xy[:-1]
+    count = len(xy)
+    if count < 4:
+        return None
+    start, end = xy, np.roll(xy, -1, axis=0)
+    direction = end - start
+
+    def cross(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return a[..., 0] * b[..., 1] - a[..., 1] * b[..., 0]
+
+    for i in range(count - 2):
+        others = np.arange(i + 2, count if i > 0 else count - 1)  # not the edge itself nor its neighbours
+        if not len(others):
+            continue
+        d_i = direction[i]
+        side_start = cross(d_i, start[others] - start[i])
+        side_end = cross(d_i, end[others] - start[i])
+        side_a = cross(direction[others], start[i] - start[others])
+        side_b = cross(direction[others], end[i] - start[others])
+        crossing = (side_start * side_end < 0) & (side_a * side_b < 0)
+        if crossing.any():
+            j = others[np.flatnonzero(crossing)[0]]
+            t = cross(start[j] - start[i], direction[j]) / cross(d_i, direction[j])
+            point = start[i] + t * d_i
+            return float(point[0]), float(point[1])
+    return None
+
+
+def shape_problems(shape: Shape, height: int, width: int) -> tuple[list[str], list[str]]:
+    """(errors, warnings) about `shape` in an image of `height` x `width`, each one line naming the shape."""
+    errors, warnings = [], []
+    if shape.kind == "polygon":
+        for number, ring in enumerate(shape.rings):
+            part = f" (part {number + 1} of {len(shape.rings)})" if len(shape.rings) > 1 else ""
+            if len(ring) < 3:
+                warnings.append(f"{shape.ident}{part}: a polygon of {len(ring)} point(s), fewer than 3: not drawn")
+                continue
+            crossing = self_intersection(ring)  # first: a symmetric bow tie has zero area too
+            if crossing is not None:
+                errors.append(f"{shape.ident}{part}: the polygon crosses itself near x={crossing[0]:.1f}, "
+                              f"y={crossing[1]:.1f}; redraw it without the crossing (or split it into two)")
+            elif ring_area(ring) == 0:
+                warnings.append(f"{shape.ident}{part}: a polygon of zero area: it draws at most its outline")
+    elif shape.kind in ("rectangle", "circle") and len(shape.rings) and len(shape.rings[0]) >= 2:
+        first, last = np.asarray(shape.rings[0][0]), np.asarray(shape.rings[0][-1])
+        if shape.kind == "rectangle" and (first[0] == last[0] or first[1] == last[1]):
+            warnings.append(f"{shape.ident}: a rectangle of zero area: it draws at most its outline")
+        if shape.kind == "circle" and np.array_equal(first, last):
+            warnings.append(f"{shape.ident}: a circle of radius 0: it draws one pixel at most")
+    elif shape.kind in ("rectangle", "circle", "line"):
+        warnings.append(f"{shape.ident}: a {shape.kind} needs 2 points, has {len(shape.rings[0]) if shape.rings else 0}:"
+                        " not drawn")
+    if shape.kind in ("polygon", "rectangle", "circle", "line", "point") and shape.rings:
+        xy = np.concatenate([np.asarray(ring, dtype=np.float64).reshape(-1, 2) for ring in shape.rings])
+        if len(xy) and (xy[:, 0].min() < 0 or xy[:, 1].min() < 0 or xy[:, 0].max() > width
+                        or xy[:, 1].max() > height):
+            warnings.append(f"{shape.ident}: coordinates outside the {width}x{height} image (x "
+                            f"{xy[:, 0].min():g}..{xy[:, 0].max():g}, y {xy[:, 1].min():g}..{xy[:, 1].max():g}): "
+                            "clipped at its edges")
+    if shape.kind == "rle":
+        size = tuple(int(v) for v in shape.rle["size"])
+        if size != (height, width):
+            errors.append(f"{shape.ident}: its RLE is {size[1]}x{size[0]} (width x height) but the image is "
+                          f"{width}x{height}")
+    return errors, warnings
