@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from syncseg.data.annotations.common import Export, counted, find_image, inside_root, read_json
+from syncseg.data.annotations.common import Export, counted, find_image, inside_root, read_json, require_pycocotools
 from syncseg.data.annotations.shapes import AnnotatedImage, Shape
 
 
@@ -76,6 +76,7 @@ def _segmentation(annotation: dict[str, Any], ident: str, height: int | None, wi
 
 def read(path: Path, *, root: Path, split: str) -> Export:
     """The COCO file `path` (images found under `root`) as an Export; ValueError for a file that is not COCO."""
+    require_pycocotools("coco")
     document = read_json(path)
     if not isinstance(document, dict):
         raise ValueError(f"'{path}': a COCO file is a JSON object with 'images', 'annotations' and 'categories'")

@@ -55,6 +55,16 @@ class Export:
     numeric_labels: bool = False  # the keys are ids (data.label_map applies to them)
 
 
+def require_pycocotools(kind: str) -> None:
+    """ValueError (bad input: the config names what this environment cannot read) naming the pip extra when
+    pycocotools, which draws COCO's and CVAT's polygons and RLE, is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("pycocotools") is None:
+        raise ValueError(f"data.dataset={kind} draws polygons and RLE with pycocotools, which is not installed: "
+                         "pip install \"syncseg[annotations]\" (or pip install pycocotools)")
+
+
 def inside_root(root: Path, path: Path, *, source: Path | str, what: str) -> Path:
     """`path` resolved, which must lie inside the data root `root`; ValueError naming `source` otherwise: no
     annotation file may point a reader outside the data it was given."""

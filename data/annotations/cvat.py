@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from syncseg.data.annotations.codecs import cvat_rle_length
-from syncseg.data.annotations.common import Export, counted, find_image, inside_root
+from syncseg.data.annotations.common import Export, counted, find_image, inside_root, require_pycocotools
 from syncseg.data.annotations.shapes import AnnotatedImage, Shape
 
 REGION_TAGS = ("polygon", "polyline", "box", "ellipse", "points", "mask")
@@ -69,6 +69,7 @@ def _shape(element: ElementTree.Element, ident: str, line_width: float) -> Shape
 
 def read(path: Path, *, root: Path, split: str, line_width: float) -> Export:
     """The CVAT XML `path` (images under `root`) as an Export."""
+    require_pycocotools("cvat")
     try:
         tree = ElementTree.parse(path)
     except ElementTree.ParseError as error:

@@ -336,3 +336,21 @@ def test_training_start_refuses_a_bad_export(tmp_path):
     data.build_dataset(config.data, "train", train=True)
     with pytest.raises(ValueError, match="instances_val.json': not valid JSON"):
         data.build_dataset(config.data, "val", train=False)
+
+
+def test_pycocotools_polygons_drawn_in_their_box_equal_the_full_image_decode():
+    from pycocotools import mask as coco_mask
+
+    from syncseg.data.annotations.shapes import rasterize
+
+    rng = np.random.default_rng(7)
+    height, width = 37, 53
+    for trial in range(300):
+        # coordinates of one decimal (the ties of pycocotools' rounding), some past the image's edges
+        rings = [np.round(rng.uniform(-8, 61, (int(rng.integers(3, 9)), 2)) * [1, height / width], 1)
+                 for _ in range(int(rng.integers(1, 3)))]
+        shape = Shape(label=1, kind="polygon", ident=f"trial {trial}", rings=rings, style="coco")
+        drawn = rasterize([shape], height, width, value_of=lambda s: 1, uncovered=0)
+        flat = [ring.reshape(-1).tolist() for ring in rings]
+        expected = coco_mask.decode(coco_mask.merge(coco_mask.frPyObjects(flat, height, width)))
+        np.testing.assert_array_equal(drawn, expected, err_msg=f"trial {trial}: {flat}")
