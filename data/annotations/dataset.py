@@ -184,10 +184,12 @@ class AnnotatedSegmentation(SegmentationDataset):
 
     def __init__(self, images: list[AnnotatedImage], table: ClassTable, *, description: str,
                  options: AnnotationOptions, ignore_index: int = IGNORE_INDEX, transform: Transform | None = None,
-                 image_format: ImageFormat = ImageFormat(), listing_warnings: Sequence[str] = ()) -> None:
+                 image_format: ImageFormat = ImageFormat(), listing_warnings: Sequence[str] = (),
+                 numeric_labels: bool = False) -> None:
         self.images = images
         self.table = table
         self.options = options
+        self.numeric_labels = numeric_labels
         # (image, annotation file): a YOLO image without a label file stands for its own annotation
         samples = [(image.image or image.source, image.source if image.source.is_file() else image.image)
                    for image in images]
@@ -198,6 +200,18 @@ class AnnotatedSegmentation(SegmentationDataset):
 
     def name_of(self, index: int) -> str:
         return self.images[index].name
+
+    @property
+    def label_ids(self) -> list[int | None] | None:
+        """Class index -> the export's numeric label id that draws it (COCO category id, YOLO class id; None for
+        a class no id draws, such as an added background), or None for exports of named labels."""
+        if not self.numeric_labels:
+            return None
+        ids: list[int | None] = [None] * len(self.classes)
+        for key, value in self.table.values.items():
+            if 0 <= value < len(ids) and ids[value] is None:
+                ids[value] = int(key)
+        return ids
 
     def value_of(self, shape: Shape) -> int:
         if shape.crowd and self.options.iscrowd == "ignore":
@@ -293,7 +307,8 @@ def build_annotated(kind: str, data_cfg: Any, split: str, transform: Transform) 
                               options=options, ignore_index=data_cfg.ignore_index, description=description)
     return AnnotatedSegmentation(export.images, table, description=description, options=options,
                                  ignore_index=data_cfg.ignore_index, transform=transform,
-                                 image_format=ImageFormat.of(data_cfg), listing_warnings=export.warnings)
+                                 image_format=ImageFormat.of(data_cfg), listing_warnings=export.warnings,
+                                 numeric_labels=export.numeric_labels)
 
 
 def build_coco(data_cfg: Any, split: str, transform: Transform) -> AnnotatedSegmentation:

@@ -65,12 +65,11 @@ def _shape(entry: Any, ident: str, line_width: float, errors: list[str]) -> Shap
     return Shape(label=label, kind=kind, ident=ident, rings=[points], style="pil", width=width)
 
 
-def read_file(path: Path, *, root: Path, line_width: float) -> tuple[AnnotatedImage | None, list[str]]:
-    """One labelme JSON -> (its image and shapes, or None when it cannot be used; its errors)."""
+def read_file(path: Path, document: dict[str, Any], *, root: Path,
+              line_width: float) -> tuple[AnnotatedImage | None, list[str]]:
+    """One labelme JSON `document` read from `path` -> (its image and shapes, or None when it cannot be used;
+    its errors)."""
     errors: list[str] = []
-    document = read_json(path)
-    if not isinstance(document, dict) or "shapes" not in document:
-        return None, [f"'{path}': not a labelme file (a JSON object with 'shapes' and 'imagePath')"]
     shapes = []
     for number, entry in enumerate(document.get("shapes") or []):
         shape = _shape(entry, f"'{path}' shape {number}", line_width, errors)
@@ -103,12 +102,24 @@ def read_labels_file(path: Path) -> list[str]:
 def read(folder: Path, *, root: Path, split: str, line_width: float) -> Export:
     """Every labelme JSON under `folder` as one Export."""
     errors: list[str] = []
+    warnings = []
     images = []
+    others = []
     for path in json_files(folder):
-        image, found = read_file(path, root=root, line_width=line_width)
+        try:
+            document = read_json(path)
+        except ValueError as error:
+            errors.append(str(error))
+            continue
+        if not isinstance(document, dict) or "shapes" not in document:
+            others.append(path.name)  # a COCO file or a config beside the labelme files
+            continue
+        image, found = read_file(path, document, root=root, line_width=line_width)
         errors.extend(found)
         if image is not None:
             images.append(image)
+    if others:
+        warnings.append(f"'{folder}': {counted(others, 'JSON file(s) that are not labelme files')}: left out")
     listed = labels_file(root, folder)
     if listed is not None:
         names = read_labels_file(listed)
@@ -123,7 +134,6 @@ def read(folder: Path, *, root: Path, split: str, line_width: float) -> Export:
                 seen.update(str(shape.get("label", "")) for shape in document.get("shapes") or []
                             if isinstance(shape, dict))
         names = sorted(seen)
-    warnings = []
     empty = [image.name for image in images if not image.shapes]
     if empty:
         warnings.append(f"'{folder}': {counted(empty, 'image(s) without shapes')}")

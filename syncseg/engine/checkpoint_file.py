@@ -34,10 +34,11 @@ FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format_version", "model", "config", "classes")
 RESUME_KEYS = REQUIRED_KEYS + ("iteration", "epoch", "best_miou", "optimizer", "scheduler", "scaler", "rng")
 # What best.pt keeps of a training payload (plus `metrics`): everything but the resume state.
-WEIGHTS_KEYS = REQUIRED_KEYS + ("iteration", "epoch", "best_miou", "run_id")
+WEIGHTS_KEYS = REQUIRED_KEYS + ("iteration", "epoch", "best_miou", "run_id", "label_ids")
 SAFETENSORS_SUFFIX = ".safetensors"
 # .safetensors metadata entries (each a JSON string) that become payload keys
-SAFETENSORS_METADATA = ("format_version", "config", "classes", "iteration", "best_miou", "metrics", "run_id")
+SAFETENSORS_METADATA = ("format_version", "config", "classes", "iteration", "best_miou", "metrics", "run_id",
+                        "label_ids")
 
 def is_safetensors_name(path: str | Path) -> bool:
     """Whether `path` is read as a .safetensors release file: the suffix, exactly SAFETENSORS_SUFFIX,

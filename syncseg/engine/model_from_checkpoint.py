@@ -33,6 +33,9 @@ class InferenceModel:
     path: Path
     device: torch.device
     runtime: str = "torch"  # or the runtime that runs the exported file (syncseg.engine.runtimes)
+    # class index -> the training export's numeric label id (COCO category id, YOLO class id; None: none), for
+    # predictions written back in the export's format (predict.py --format); None when the data had no ids
+    label_ids: list[int | None] | None = None
 
 
 def load_inference_model(path: str | Path, *, device: torch.device, overrides: list[str] | tuple[str, ...] = (),
@@ -65,5 +68,7 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
         model = runtime_model(model, config=config, classes=classes, checkpoint=path, iteration=iteration,
                               choice=runtime, device=device)
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, amp="off"))
+    label_ids = payload.get("label_ids")
     return InferenceModel(model=model, config=config, classes=classes, iteration=iteration, path=path, device=device,
+                          label_ids=None if label_ids is None else [None if i is None else int(i) for i in label_ids],
                           runtime=runtime_name)

@@ -114,6 +114,8 @@ def training_payload(parts: "TrainingParts", *, iteration: int, best_miou: float
         "scaler": parts.scaler.state_dict(), "run_id": run_id, "overrides": dict(overrides),
         "validation_due": validation_due,
         **({"ema": parts.ema.state_dict()} if parts.ema is not None else {}),
+        # an annotation export's numeric label ids (COCO category ids), so predictions go back with them
+        **({"label_ids": list(label_ids)} if (label_ids := getattr(parts.train_set, "label_ids", None)) else {}),
     }
 
 
