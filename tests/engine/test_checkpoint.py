@@ -202,9 +202,9 @@ def test_weights_payload_keeps_what_inference_needs_and_a_best_pt_cannot_be_resu
     from syncseg.engine.checkpoint_file import RESUME_KEYS, WEIGHTS_KEYS
     from syncseg.engine.training_state import weights_payload
 
-    full = {**_payload(nn.Linear(3, 2)), "run_id": "r1", "overrides": {"train.iters": "5"}}
+    full = {**_payload(nn.Linear(3, 2)), "run_id": "r1", "overrides": {"train.iters": "5"}, "label_ids": [None, 7]}
     small = weights_payload(full, metrics={"miou": 0.5, "iou": [0.5, None]})
-    assert set(small) == set(WEIGHTS_KEYS) | {"metrics"}
+    assert set(small) == set(WEIGHTS_KEYS) | {"metrics"} and small["label_ids"] == [None, 7]
     assert not {"optimizer", "scheduler", "scaler", "rng", "overrides"} & set(small)
     assert small["model"] is full["model"] and small["metrics"]["iou"] == [0.5, None]
     save_checkpoint(tmp_path / "best.pt", small)
