@@ -6,8 +6,9 @@
 For each image <name> it writes <output>/<name>_mask.png (palette PNG: pixel value = class index, colored with
 the dataset palette) and <output>/<name>_overlay.png (the photo with the color of each class blended in at
 --alpha; pixels of the class named "background" keep the photo's own colors); --legend also writes
-<output>/legend.png (color and name of each class). With a folder, images are found recursively and the
-subfolders are kept. Photos are turned upright by their EXIF orientation (as viewers show them; the masks
+<output>/legend.png (color and name of each class); --format coco,labelme,cvat,yolo_seg also writes the
+masks as pre-annotations the labelling tool imports, under <output>/<format>/ (syncseg.engine.tool_formats).
+With a folder, images are found recursively and the subfolders are kept. Photos are turned upright by their EXIF orientation (as viewers show them; the masks
 match the upright image). Images are read in the checkpoint's format (data.in_channels, data.max_value:
 16-bit, 1- or N-channel PNG and TIFF as stored; an image of another channel count or bit depth is skipped,
 naming both); the overlay of such an image is drawn on its first channel (grey) or first three, scaled to 8
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="overlay opacity of the class colors, 0..1 (background pixels stay untouched)")
     parser.add_argument("--legend", action="store_true", help="also write <output>/legend.png: each class color "
                                                               "and name")
+    parser.add_argument("--format", default="", metavar="NAMES",
+                        help="also write the masks as pre-annotations a labelling tool imports: coco, labelme, cvat, "
+                             "yolo_seg (comma-separated), under <output>/<format>/ (docs/own-data.md)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides, e.g. eval.window_size=769 eval.stride=512 data.base_size=1024")
     return parser.parse_intermixed_args(argv)
@@ -139,6 +143,9 @@ def run(args: argparse.Namespace) -> Outcome:
         raise ValueError(f"--alpha {args.alpha} must lie in [0, 1]")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} must be at least 1")
+    from syncseg.engine.tool_formats import PredictedImage, parse_formats, write_tool_formats
+
+    formats = parse_formats(args.format)
     images = find_images(Path(args.input))
     single_file = Path(args.input).is_file()
     output = Path(args.output)
@@ -161,6 +168,7 @@ def run(args: argparse.Namespace) -> Outcome:
     outcome = Outcome(num_images=len(images))
     large = []
     pending: list[tuple[Path, Path, np.ndarray]] = []  # read, not yet predicted: consecutive images of one size
+    predicted: list[PredictedImage] = []  # for --format: the masks written, read back by the writers
 
     def flush() -> None:
         masks = predictor.predict_many([image for _, _, image in pending], batch_size=len(pending)) if pending else []
@@ -169,6 +177,8 @@ def run(args: argparse.Namespace) -> Outcome:
             target = output / stem  # save_png creates the folders
             with writing("masks and overlays under", output):
                 save_png(palette_image(labels, palette), target.with_name(f"{target.name}_mask.png"))
+                predicted.append(PredictedImage(file_name=(stem.parent / image_path.name).as_posix(),
+                                                mask=target.with_name(f"{target.name}_mask.png"), image=image_path))
                 save_png(overlay(display_rgb(image, image_format.max_value), labels, palette, alpha=args.alpha,
                                  uncoloured=uncoloured),
                          target.with_name(f"{target.name}_overlay.png"))
@@ -205,6 +215,12 @@ def run(args: argparse.Namespace) -> Outcome:
     flush()
     if len(large) > 1:
         logger.warning("%d of %d images were that large (see the warning above)", len(large), len(images))
+    if formats and predicted:
+        with writing("the pre-annotations under", output):
+            written = write_tool_formats(formats, predicted, classes=classes, label_ids=loaded.label_ids,
+                                         output=output, ignore_index=config.data.ignore_index)
+        logger.info("wrote %s for %d image(s): %s", ", ".join(formats), len(predicted),
+                    ", ".join(str(path) for path in written[:4]) + (" ..." if len(written) > 4 else ""))
     if args.legend:
         with writing("the legend under", output):
             save_png(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4))),

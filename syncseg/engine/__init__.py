@@ -21,6 +21,7 @@
     overfitting.py   OverfittingWatch: the one warning that the run memorizes its training pixels
     reporting.py     metrics.jsonl, TensorBoard, progress lines;  visualize.py  grids, legends, overlays
     export_formats.py  ONNX / TorchScript / torch.export / safetensors files, checked against PyTorch
+    tool_formats.py  predict.py --format: masks back into COCO / labelme / CVAT / YOLO files
     atomic.py        atomic file writes;  cli.py  the error contract (exit statuses, error lines) of every command
 
 Imports point down only: command lines -> engine -> model, data -> syncseg.model.sync_batchnorm -> torch. Importing
