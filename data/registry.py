@@ -112,4 +112,6 @@ for _name, _label_ids in (("coco", True), ("labelme", False), ("cvat", False), (
                           ("label_studio", False)):
     register_dataset_kind(DatasetKind(_name, f"syncseg.data.annotations.dataset:build_{_name}", reads_mask_files=False,
                                       any_image_format=True, classes_from_files=True, label_ids=_label_ids))
+register_dataset_kind(DatasetKind("cvat_mask", "syncseg.data.annotations.cvat_mask:build_cvat_mask",
+                                  reads_mask_files=False, any_image_format=True, classes_from_files=True))
 

@@ -354,3 +354,27 @@ def test_pycocotools_polygons_drawn_in_their_box_equal_the_full_image_decode():
         flat = [ring.reshape(-1).tolist() for ring in rings]
         expected = coco_mask.decode(coco_mask.merge(coco_mask.frPyObjects(flat, height, width)))
         np.testing.assert_array_equal(drawn, expected, err_msg=f"trial {trial}: {flat}")
+
+
+# ------------------------------------------------------------------------------------------------ CVAT masks
+def test_cvat_segmentation_mask_export_reads_its_labelmap(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "labelmap.txt").write_text("# label:color_rgb:parts:actions\nbackground:0,0,0::\nroad:250,50,83::\n"
+                                           "car:51,221,255::\n__ignore__:255,255,255::\n")
+    colours = np.array([[0, 0, 0], [250, 50, 83], [51, 221, 255], [255, 255, 255]], dtype=np.uint8)
+    indices = np.random.default_rng(0).integers(0, 4, (6, 9))
+    (tmp_path / "SegmentationClass").mkdir()
+    Image.fromarray(colours[indices]).save(tmp_path / "SegmentationClass" / "f0.png")
+    exports.write_image(tmp_path / "JPEGImages" / "f0.jpg", height=6, width=9)
+    (tmp_path / "ImageSets" / "Segmentation").mkdir(parents=True)
+    (tmp_path / "ImageSets" / "Segmentation" / "default.txt").write_text("f0\n")
+    dataset = build("cvat_mask", tmp_path, split="default")
+    assert dataset.classes == ("background", "road", "car")
+    np.testing.assert_array_equal(dataset.load(0)[1], np.array([0, 1, 2, IGNORE], dtype=np.uint8)[indices])
+    sparse = build("cvat_mask", tmp_path, split="all", uncovered="ignore")
+    assert sparse.classes == ("road", "car")
+    np.testing.assert_array_equal(sparse.load(0)[1], np.array([IGNORE, 0, 1, IGNORE], dtype=np.uint8)[indices])
+    Image.fromarray(np.full((6, 9, 3), 7, dtype=np.uint8)).save(tmp_path / "SegmentationClass" / "f0.png")
+    with pytest.raises(BadSampleError, match=r"f0.png' has colours not in data.class_colors: #070707"):
+        dataset.load(0)
