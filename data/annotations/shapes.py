@@ -16,8 +16,10 @@ mask that must equal the tool's own export has to follow it (`Shape.style`):
   the image size): a pixel is inside when its centre is (even-odd).
 
 Problems with a shape are found by `shape_problems` (the start of training looks at 32 samples,
-verify_dataset at all): a self-intersecting polygon is an error, polygons of fewer than 3 points, zero-area
-shapes and coordinates outside the image are warnings (the first two draw nothing, the last is clipped).
+verify_dataset at all): a polygon that loops over itself (a pixel it winds around twice, which the tools' fill
+rules draw differently) is an error; one that only crosses itself (a twist: labelme's own example set has two),
+polygons of fewer than 3 points, zero-area shapes and coordinates outside the image are warnings (the second
+and third draw nothing, the last is clipped).
 """
 from __future__ import annotations
 
@@ -315,6 +317,32 @@ def self_intersection(ring: np.ndarray) -> tuple[float, float] | None:
     return None
 
 
+def overlaps_itself(ring: np.ndarray) -> tuple[float, float] | None:
+    """A pixel centre (x, y) that the closed ring winds around twice or more, or None. There the fill rules
+    disagree (even-odd leaves it empty, nonzero fills it): a polygon that crosses itself without such a
+    pixel (a twist, a figure eight) is drawn alike by every tool."""
+    xy = np.asarray(ring, dtype=np.float64).reshape(-1, 2)
+    start, end = xy, np.roll(xy, -1, axis=0)
+    low, high = int(np.floor(xy[:, 1].min())), int(np.ceil(xy[:, 1].max()))
+    left, right = int(np.floor(xy[:, 0].min())), int(np.ceil(xy[:, 0].max())) + 1
+    centres = np.arange(low, high + 1, dtype=np.float64)[:, None] + 0.5
+    y0, y1 = start[None, :, 1], end[None, :, 1]
+    crossing = (y0 <= centres) != (y1 <= centres)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = start[None, :, 0] + (centres - y0) * (end[None, :, 0] - start[None, :, 0]) / (y1 - y0)
+    rows, edges = np.nonzero(crossing)
+    direction = np.where(y1[0, edges] > y0[0, edges], 1, -1)
+    columns = np.clip(np.ceil(x[rows, edges] - 0.5).astype(np.int64) - left, 0, right - left)
+    toggles = np.zeros((len(centres), right - left + 1), dtype=np.int64)
+    np.add.at(toggles, (rows, columns), direction)
+    winding = np.abs(np.cumsum(toggles, axis=1))
+    found = np.argwhere(winding >= 2)
+    if not len(found):
+        return None
+    row, column = found[0]
+    return float(left + column + 0.5), float(low + row + 0.5)
+
+
 def shape_problems(shape: Shape, height: int, width: int) -> tuple[list[str], list[str]]:
     """(errors, warnings) about `shape` in an image of `height` x `width`, each one line naming the shape."""
     errors, warnings = [], []
@@ -325,9 +353,15 @@ def shape_problems(shape: Shape, height: int, width: int) -> tuple[list[str], li
                 warnings.append(f"{shape.ident}{part}: a polygon of {len(ring)} point(s), fewer than 3: not drawn")
                 continue
             crossing = self_intersection(ring)  # first: a symmetric bow tie has zero area too
-            if crossing is not None:
+            overlap = overlaps_itself(ring) if crossing is not None else None
+            if overlap is not None:
                 errors.append(f"{shape.ident}{part}: the polygon crosses itself near x={crossing[0]:.1f}, "
-                              f"y={crossing[1]:.1f}; redraw it without the crossing (or split it into two)")
+                              f"y={crossing[1]:.1f} and winds twice around x={overlap[0]:.1f}, y={overlap[1]:.1f}, "
+                              "where tools fill it differently (even-odd leaves it empty, nonzero fills it); redraw "
+                              "it without the loop (or split it into two)")
+            elif crossing is not None:
+                warnings.append(f"{shape.ident}{part}: the polygon crosses itself near x={crossing[0]:.1f}, "
+                                f"y={crossing[1]:.1f} (a twist: drawn alike by every tool)")
             elif ring_area(ring) == 0:
                 warnings.append(f"{shape.ident}{part}: a polygon of zero area: it draws at most its outline")
     elif shape.kind in ("rectangle", "circle") and len(shape.rings) and len(shape.rings[0]) >= 2:

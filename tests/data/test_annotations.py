@@ -15,6 +15,7 @@ from syncseg.engine.config import DataConfig
 from tests.data import annotation_exports as exports
 
 IGNORE = 255
+LOOP = [[0, 0], [20, 0], [20, 20], [5, 20], [5, 5], [25, 5], [25, 25], [0, 25]]  # winds twice around (5..20, 5..20)
 
 
 def build(kind, root, split="train", **settings):
@@ -145,24 +146,43 @@ def test_self_intersecting_and_degenerate_polygons_are_reported(tmp_path):
     exports.make_labelme(tmp_path)
     document = json.loads((tmp_path / "train" / "one.json").read_text())
     document["shapes"] += [
-        {"label": "car", "shape_type": "polygon", "points": [[10, 10], [30, 30], [30, 10], [10, 30]]},  # a bow tie
+        {"label": "car", "shape_type": "polygon", "points": LOOP},
         {"label": "car", "shape_type": "polygon", "points": [[10, 10], [30, 30]]},
         {"label": "car", "shape_type": "polygon", "points": [[10, 10], [20, 20], [30, 30]]},
         {"label": "car", "shape_type": "polygon", "points": [[70, 50], [95, 50], [90, 70]]},
+        {"label": "car", "shape_type": "polygon", "points": [[10, 10], [30, 30], [30, 10], [10, 30]]},  # a bow tie
     ]
     (tmp_path / "train" / "one.json").write_text(json.dumps(document))
     dataset = build("labelme", tmp_path)
     errors, warnings = dataset.shape_report(by_name(dataset, "one"))
-    assert len(errors) == 1 and "shape 8: the polygon crosses itself near x=20.0, y=20.0" in errors[0]
+    assert len(errors) == 1 and "shape 8: the polygon crosses itself near" in errors[0]
+    assert "winds twice around x=5.5, y=5.5, where tools fill it differently" in errors[0]
     assert any("shape 9: a polygon of 2 point(s), fewer than 3" in w for w in warnings)
     assert any("shape 10: a polygon of zero area" in w for w in warnings)
     assert any("shape 11: coordinates outside the 80x60 image" in w for w in warnings)
+    assert any("shape 12: the polygon crosses itself near x=20.0, y=20.0 (a twist" in w for w in warnings)
     report = dataset.inspect_masks(0)
-    assert report.bad and "crosses itself" in report.bad[0]
+    assert report.bad and "winds twice" in report.bad[0]
     from syncseg.data.base import check_data_at_start
 
-    with pytest.raises(BadSampleError, match="crosses itself"):
+    with pytest.raises(BadSampleError, match="winds twice"):
         check_data_at_start(dataset)
+
+
+def test_winding_twice_against_a_brute_force_winding_number():
+    from syncseg.data.annotations.shapes import overlaps_itself
+
+    def winding(ring, x, y):
+        angles = np.arctan2(ring[:, 1] - y, ring[:, 0] - x)
+        turns = np.diff(np.concatenate([angles, angles[:1]]))
+        return round(float(np.sum((turns + np.pi) % (2 * np.pi) - np.pi)) / (2 * np.pi))
+
+    rng = np.random.default_rng(2)
+    for _ in range(60):
+        ring = rng.uniform(0, 12, (int(rng.integers(3, 9)), 2))
+        centres = [(x + 0.5, y + 0.5) for x in range(-1, 13) for y in range(-1, 13)]
+        expected = any(abs(winding(ring, x, y)) >= 2 for x, y in centres)
+        assert (overlaps_itself(ring) is not None) == expected
 
 
 def test_self_intersection_against_brute_force():
@@ -312,12 +332,12 @@ def test_verify_reads_exports_and_names_each_problem(tmp_path, capsys):
     assert "[labelme train] 2 samples" in out and "bad 0" in out
     for name in ("_background_", "road", "car", "tree"):  # the pixels-per-class table
         assert f" {name} " in out
-    document["shapes"].append({"label": "car", "shape_type": "polygon", "points": [[10, 10], [30, 30], [30, 10], [10, 30]]})
+    document["shapes"].append({"label": "car", "shape_type": "polygon", "points": LOOP})
     document["shapes"].append({"label": "car", "shape_type": "polygon", "points": [[10, 10], [30, 30]]})
     (tmp_path / "train" / "one.json").write_text(json.dumps(document))
     assert verify_dataset.main(["--config", "demo.yaml", *settings]) == 2
     out = capsys.readouterr().out
-    assert "BAD: " in out and "one.json' shape 8: the polygon crosses itself" in out
+    assert "BAD: " in out and "one.json' shape 8: the polygon crosses itself" in out and "winds twice" in out
     assert "WARNING: " in out and "one.json' shape 9: a polygon of 2 point(s)" in out
     document["shapes"].append({"label": "lake", "shape_type": "polygon", "points": [[1, 1], [5, 1], [3, 4]]})
     (tmp_path / "train" / "one.json").write_text(json.dumps(document))

@@ -128,3 +128,17 @@ def test_an_export_trains_evaluates_and_predicts_back_into_its_format(tmp_path, 
     assert dataset.classes == training.classes  # names (and COCO ids) as in the training file
     for index in range(len(dataset)):
         np.testing.assert_array_equal(dataset.load(index)[1], predicted[dataset.name_of(index)])
+
+
+def test_train_py_refuses_a_bad_export_at_start_with_one_line(tmp_path, capsys):
+    samples = _samples()
+    root = tmp_path / "export"
+    settings = ["data.dataset=coco", f"data.root={root}", *_export("coco", root, samples)]
+    document = json.loads((root / "annotations" / "predictions.json").read_text())
+    document["annotations"][0]["category_id"] = 77
+    (root / "annotations" / "predictions.json").write_text(json.dumps(document))
+    train = importlib.import_module("syncseg.commands.train")
+    assert train.main(["--config", "demo.yaml", *TINY_BASE, *TRAIN, *settings, f"output_dir={tmp_path / 'run'}"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "predictions.json' annotation 1: category_id 77 is not in 'categories'" in error[0]
+    assert not (tmp_path / "run" / "last.pt").exists()
