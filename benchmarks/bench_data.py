@@ -82,7 +82,8 @@ def make_coco_export(root: Path, names: list[str]) -> int:
                 continue
             for top, left in ((0, 0), (0, width // 2), (height // 2, 0), (height // 2, width // 2)):
                 cell = np.zeros_like(mask)
-                cell[top:top + height // 2, left:left + width // 2] = mask[top:top + height // 2, left:left + width // 2] == value
+                box = (slice(top, top + height // 2), slice(left, left + width // 2))
+                cell[box] = mask[box] == value
                 contours, _ = cv2.findContours(cell, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_NONE)
                 for contour in contours:
                     if len(contour) >= 3:

@@ -121,7 +121,8 @@ def read(path: Path, *, root: Path, split: str, line_width: float) -> Export:
                       f"{', '.join(str(f) for f in folders)})")
     for name, ids in names.items():
         if len(ids) > 1:
-            warnings.append(f"'{path}': the file name '{name}' is listed for {len(ids)} images (ids {', '.join(ids[:5])})")
+            warnings.append(f"'{path}': the file name '{name}' is listed for {len(ids)} images (ids "
+                            f"{', '.join(ids[:5])})")
     empty = [image.name for image in images if not image.shapes]
     if empty:
         warnings.append(f"'{path}': {counted(empty, 'image(s) without shapes')}")

@@ -31,7 +31,8 @@ def read_labelmap(path: Path) -> list[tuple[str, tuple[int, int, int]]]:
         try:
             red, green, blue = (int(value) for value in fields[1].split(","))
         except (IndexError, ValueError):
-            raise ValueError(f"'{path}' line {number}: expected 'label:R,G,B:parts:actions', got {line[:60]!r}") from None
+            raise ValueError(f"'{path}' line {number}: expected 'label:R,G,B:parts:actions', "
+                             f"got {line[:60]!r}") from None
         if not all(0 <= value <= 255 for value in (red, green, blue)):
             raise ValueError(f"'{path}' line {number}: colour values must be 0..255, got {fields[1]!r}")
         entries.append((fields[0], (red, green, blue)))

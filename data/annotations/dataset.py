@@ -94,8 +94,9 @@ def build_class_table(export: Export, *, class_names: Sequence[str], label_map: 
     if options.uncovered == "background":
         backgrounds = [index for index, name in enumerate(classes) if _is_background(name)]
         if not backgrounds:
-            problems.append(f"{description}: data.uncovered=background but no class is the background (data.class_names "
-                            f"{', '.join(classes)}); name one 'background', or set data.uncovered=ignore")
+            problems.append(f"{description}: data.uncovered=background but no class is the background "
+                            f"(data.class_names {', '.join(classes)}); name one 'background', or set "
+                            "data.uncovered=ignore")
             uncovered = ignore_index
         else:
             uncovered = backgrounds[0]
@@ -224,7 +225,8 @@ class AnnotatedSegmentation(SegmentationDataset):
             try:
                 return decode_embedded_image(record.embedded or "")
             except (OSError, ValueError) as error:
-                raise BadSampleError(f"'{record.source}': its embedded image (imageData) cannot be read: {error}") from None
+                raise BadSampleError(f"'{record.source}': its embedded image (imageData) cannot be read: "
+                                     f"{error}") from None
         return read_image(record.image, self.image_format)
 
     def image_size(self, index: int) -> tuple[int, int]:

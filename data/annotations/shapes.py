@@ -65,6 +65,9 @@ class Shape:
     left: int = 0
     top: int = 0
     crowd: bool = False
+    # what drawing it needs again next time (the pycocotools RLE of its box, for the image size it was made
+    # for): a worker draws each image every epoch, and the RLE is a few hundred bytes
+    drawn: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -108,9 +111,8 @@ def _coco_rings_mask(rings: Sequence[np.ndarray], height: int, width: int) -> np
     return coco_mask.decode(coco_mask.merge(rles)).astype(bool)
 
 
-def _coco_rings_region(rings: Sequence[np.ndarray], height: int,
-                       width: int) -> tuple[int, int, np.ndarray] | None:
-    """(top, left, bool crop) of what pycocotools draws for `rings` in a height x width image, drawn in a box
+def _coco_rings_region(rings: Sequence[np.ndarray], height: int, width: int) -> tuple[int, int, Any] | None:
+    """(top, left, pycocotools RLE of the box) of what pycocotools draws for `rings` in a height x width image, in a box
     around them only (a full-image decode per shape cost ~0.2 ms at 500x375). Exact: pycocotools' first step
     rounds each coordinate to an integer of the 5x grid, after which its drawing is integer arithmetic that
     moves with the box; the rounding is done here and the box's corner subtracted on that grid, so the
@@ -136,8 +138,7 @@ def _coco_rings_region(rings: Sequence[np.ndarray], height: int,
         # a shifted axis takes its grid value / 5, which pycocotools rounds back to that integer exactly
         shifted = (ring - shift) / COCO_SCALE
         moved.append(np.where(shift > 0, shifted, original).reshape(-1).tolist())
-    rles = coco_mask.frPyObjects(moved, bottom - top, right - left)
-    return top, left, coco_mask.decode(coco_mask.merge(rles)).view(bool)
+    return top, left, coco_mask.merge(coco_mask.frPyObjects(moved, bottom - top, right - left))
 
 
 def _corner_fill(rings: Sequence[np.ndarray], height: int, width: int) -> np.ndarray:
@@ -172,7 +173,8 @@ def _points(ring: np.ndarray) -> list[tuple[float, float]]:
 def _pil_drawn(shape: Shape) -> bool:
     """Whether PIL draws `shape` (labelme's and Label Studio's polygons and rectangles; circles, points and
     lines in every format)."""
-    return shape.kind in ("circle", "point", "line") or (shape.kind in ("polygon", "rectangle") and shape.style == "pil")
+    return shape.kind in ("circle", "point", "line") or (shape.kind in ("polygon", "rectangle")
+                                                         and shape.style == "pil")
 
 
 def _draw_pil(draw: ImageDraw.ImageDraw, shape: Shape, value: int) -> None:
@@ -263,10 +265,14 @@ def rasterize(shapes: Sequence[Shape], height: int, width: int, *, value_of: Cal
         if canvas is not None:
             labels, canvas = np.array(canvas), None
         if shape.kind in ("polygon", "rectangle") and shape.style == "coco":
-            rings = _coco_polygon_rings(shape)
-            region = _coco_rings_region(rings, height, width) if rings else None
-            if region is not None:
-                top, left, mask = region
+            if shape.drawn is None or shape.drawn[0] != (height, width):
+                rings = _coco_polygon_rings(shape)
+                shape.drawn = ((height, width), _coco_rings_region(rings, height, width) if rings else None)
+            if shape.drawn[1] is not None:
+                from pycocotools import mask as coco_mask
+
+                top, left, rle = shape.drawn[1]
+                mask = coco_mask.decode(rle).view(bool)
                 np.copyto(labels[top:top + mask.shape[0], left:left + mask.shape[1]], value, where=mask)
             continue
         np.copyto(labels, value, where=shape_mask(shape, height, width))
@@ -371,8 +377,8 @@ def shape_problems(shape: Shape, height: int, width: int) -> tuple[list[str], li
         if shape.kind == "circle" and np.array_equal(first, last):
             warnings.append(f"{shape.ident}: a circle of radius 0: it draws one pixel at most")
     elif shape.kind in ("rectangle", "circle", "line"):
-        warnings.append(f"{shape.ident}: a {shape.kind} needs 2 points, has {len(shape.rings[0]) if shape.rings else 0}:"
-                        " not drawn")
+        count = len(shape.rings[0]) if shape.rings else 0
+        warnings.append(f"{shape.ident}: a {shape.kind} needs 2 points, has {count}: not drawn")
     if shape.kind in ("polygon", "rectangle", "circle", "line", "point") and shape.rings:
         xy = np.concatenate([np.asarray(ring, dtype=np.float64).reshape(-1, 2) for ring in shape.rings])
         if len(xy) and (xy[:, 0].min() < 0 or xy[:, 1].min() < 0 or xy[:, 0].max() > width

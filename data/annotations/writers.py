@@ -194,9 +194,10 @@ def _crossings(ring: Ring, x: float) -> tuple[np.ndarray, np.ndarray]:
 
 def _bridged(outer: Ring, holes: list[Ring]) -> Ring:
     """One ring holding `outer` and its `holes` (rings of trace_regions(corners=True)): each hole is joined by
-    a zero-width vertical cut from its top up to the nearest ring edge straight above it, and back. Holes are joined from the topmost down, so any
-    ring above a hole's top is joined already and no cut crosses a ring. A hole with no ring above it
-    (simplification can move one out of its region) is dropped: its pixels are filled."""
+    a zero-width vertical cut from its top up to the nearest ring edge straight above it, and back. Holes are
+    joined from the topmost down, so any ring above a hole's top is joined already and no cut crosses a ring. A
+    hole with no ring above it (simplification can move one out of its region) is dropped: its pixels are
+    filled."""
     tops = []
     for hole in holes:
         top = hole[np.lexsort((hole[:, 0], hole[:, 1]))[0]]

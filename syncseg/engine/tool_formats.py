@@ -26,7 +26,8 @@ def parse_formats(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     unknown = [name for name in names if name not in TOOL_FORMATS]
     if unknown:
-        raise ValueError(f"--format {unknown[0]!r}: expected one or more of {', '.join(TOOL_FORMATS)} (comma-separated)")
+        raise ValueError(f"--format {unknown[0]!r}: expected one or more of {', '.join(TOOL_FORMATS)} "
+                         "(comma-separated)")
     return names
 
 

@@ -86,7 +86,8 @@ def test_label_studio_brushes_read_back_to_the_same_masks(tmp_path):
         height, width = labels.shape
         result = [{"id": f"{name}-{value}", "type": "brushlabels", "original_width": width, "original_height": height,
                    "value": {"format": "rle", "brushlabels": [CLASSES[value]],
-                             "rle": encode_brush_rle(np.repeat((labels == value).reshape(-1).astype(np.uint8) * 255, 4))}}
+                             "rle": encode_brush_rle(np.repeat((labels == value).reshape(-1).astype(np.uint8) * 255,
+                                                               4))}}
                   for value in np.unique(labels) if 0 < value < len(CLASSES)]
         tasks.append({"id": number, "data": {"image": f"/data/upload/4/0a1b2c3d-{name}.jpg"},
                       "annotations": [{"id": number, "result": result}]})

@@ -68,7 +68,8 @@ def _export(kind, root, samples):
                    "value": {"format": "rle", "brushlabels": [CLASSES[value]],
                              "rle": encode_brush_rle(np.repeat((mask == value).reshape(-1).astype(np.uint8) * 255, 4))}}
                   for value in np.unique(mask) if value > 0]
-        tasks.append({"id": number, "data": {"image": f"/data/upload/1/{name}.png"}, "annotations": [{"result": result}]})
+        tasks.append({"id": number, "data": {"image": f"/data/upload/1/{name}.png"},
+                      "annotations": [{"result": result}]})
     (root / "export.json").write_text(json.dumps(tasks))
     return ["data.annotations=export.json", "data.uncovered=ignore"]
 
