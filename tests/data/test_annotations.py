@@ -398,3 +398,23 @@ def test_cvat_segmentation_mask_export_reads_its_labelmap(tmp_path):
     Image.fromarray(np.full((6, 9, 3), 7, dtype=np.uint8)).save(tmp_path / "SegmentationClass" / "f0.png")
     with pytest.raises(BadSampleError, match=r"f0.png' has colours not in data.class_colors: #070707"):
         dataset.load(0)
+
+
+def test_a_two_point_part_is_not_read_as_a_box(tmp_path):
+    """pycocotools reads a first polygon of 4 numbers as a box [x, y, w, h] (cvat #1769, mmdetection #7776):
+    the part is left out, with a warning, and the object's other part drawn as a polygon."""
+    from pycocotools import mask as coco_mask
+
+    made = exports.make_coco(tmp_path)
+    document = made["document"]
+    triangle = [10.0, 10.0, 30.0, 10.0, 20.0, 30.0]
+    document["annotations"] = [{"id": 1, "image_id": 11, "category_id": 7, "iscrowd": 0,
+                                "segmentation": [[1.0, 1.0, 50.0, 40.0], triangle]}]
+    made["path"].write_text(json.dumps(document))
+    dataset = build("coco", tmp_path)
+    index = by_name(dataset, "a")
+    _, labels = dataset.load(index)
+    expected = coco_mask.decode(coco_mask.merge(coco_mask.frPyObjects([triangle], 60, 80))).astype(bool)
+    np.testing.assert_array_equal(labels == 2, expected)
+    _, warnings = dataset.shape_report(index)
+    assert any("annotation 1 (part 1 of 2): a polygon of 2 point(s), fewer than 3: not drawn" in w for w in warnings)
