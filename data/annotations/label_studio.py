@@ -96,6 +96,7 @@ def read(path: Path, *, root: Path, split: str, class_names: tuple[str, ...] = (
     warnings: list[str] = []
     folders = [root / "images", path.parent, root]
     images, missing, several, seen = [], [], [], set()
+    other_types: dict[str, int] = {}  # results that are not regions: rectangles, choices, keypoints ...
     for number, task in enumerate(document):
         if not isinstance(task, dict):
             errors.append(f"'{path}' task {number}: not an object")
@@ -119,6 +120,10 @@ def read(path: Path, *, root: Path, split: str, class_names: tuple[str, ...] = (
             several.append(str(task.get("id", number)))
         shapes, stated = [], None
         for index, result in enumerate(results):
+            kind = str(result.get("type", "")).lower()
+            if kind not in ("polygonlabels", "brushlabels"):
+                other_types[kind] = other_types.get(kind, 0) + 1
+                continue
             shape = _shape(result, f"'{path}' {ident} result {result.get('id', index)}", errors)
             if shape is not None:
                 shapes.append(shape)
@@ -129,6 +134,9 @@ def read(path: Path, *, root: Path, split: str, class_names: tuple[str, ...] = (
     if missing:
         errors.append(f"'{path}': {counted(missing, 'image(s) not found')} (looked in "
                       f"{', '.join(str(f) for f in folders)}; put the files Label Studio was given there)")
+    if other_types:
+        listed = ", ".join(f"{count} {kind or 'untyped'}" for kind, count in sorted(other_types.items()))
+        warnings.append(f"'{path}': results that are not polygons or brushes are left out ({listed})")
     if several:
         warnings.append(f"'{path}': {counted(several, 'task(s) annotated more than once')}: the last annotation "
                         "of each is read")

@@ -278,7 +278,11 @@ def test_brush_rle_decodes_label_studios_own_encoding():
 
 def test_label_studio_polygons_and_brushes(tmp_path):
     made = exports.make_label_studio(tmp_path, encode=brush)
+    tasks = json.loads((tmp_path / "result.json").read_text())
+    tasks[0]["annotations"][-1]["result"].append({"id": "r9", "type": "rectanglelabels", "value": {}})
+    (tmp_path / "result.json").write_text(json.dumps(tasks))
     dataset = build("label_studio", tmp_path, split="all")
+    assert any("not polygons or brushes are left out (1 rectanglelabels)" in w for w in dataset.listing_warnings)
     assert dataset.classes == ("background", "road", "tree")
     _, labels = dataset.load(0)
     expected = exports.label_studio_reference(made["result"], {"road": 1, "tree": 2, "__ignore__": IGNORE})
