@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 READERS = {"coco": coco, "labelme": labelme, "cvat": cvat, "yolo_seg": yolo_seg, "label_studio": label_studio}
 FOLDER_EXPORTS = ("labelme", "yolo_seg")  # exports that are a folder of files, not one file
 MAX_PROBLEM_LINES = 20  # lines of shape problems the start of training logs; verify_dataset prints them all
+# below this share of pixels drawn by some shape, data.uncovered=background is worth a second look: sparse labels
+# (a few polygons per image) train every undrawn pixel as background; exhaustive ones (COCO) cover more
+SPARSE_COVERAGE = 0.2
 
 
 @dataclass(frozen=True)
@@ -273,16 +276,28 @@ class AnnotatedSegmentation(SegmentationDataset):
     def inspect_masks(self, limit: int, *, every_line: bool = False) -> MaskSampleReport:
         """The shapes of `limit` samples spread over the split (all when limit <= 0): a self-intersecting polygon,
         an RLE or a stated size that is not the image's are bad samples; polygons of fewer than 3 points, zero
-        areas and coordinates outside the image are warnings (at most MAX_PROBLEM_LINES lines, unless every_line)."""
+        areas and coordinates outside the image are warnings (at most MAX_PROBLEM_LINES lines, unless every_line), and
+        so is data.uncovered=background where the shapes cover less than SPARSE_COVERAGE of the pixels."""
         indices = self._spread(limit)
         report = MaskSampleReport(num_checked=len(indices))
         warnings = []
+        covered = pixels = 0
         for index in indices:
             errors, found = self.shape_report(index)
             warnings += found
             if errors:
                 report.bad.append("; ".join(errors))
                 report.bad_paths.append(str(self.images[index].source))
+            elif self.options.uncovered == "background":
+                height, width = self.image_size(index)
+                drawn = rasterize(self.shapes_for(index, height, width), height, width, value_of=lambda shape: 1,
+                                  uncovered=0)
+                covered, pixels = covered + int(drawn.sum()), pixels + drawn.size
+        if pixels and covered / pixels < SPARSE_COVERAGE:
+            warnings.insert(0, f"{self.description}: the shapes cover {covered / pixels:.1%} of the pixels of the "
+                               f"{len(indices)} images checked, and data.uncovered=background trains the rest as "
+                               "background; if they are not all background (sparse labels: a few polygons per "
+                               "image), set data.uncovered=ignore and start from base: small_data.yaml")
         if not every_line and len(warnings) > MAX_PROBLEM_LINES:
             warnings = [*warnings[:MAX_PROBLEM_LINES], f"{self.description}: and {len(warnings) - MAX_PROBLEM_LINES} "
                         "more shape warnings (`python -m syncseg verify` lists them all)"]

@@ -422,3 +422,17 @@ def test_a_two_point_part_is_not_read_as_a_box(tmp_path):
     np.testing.assert_array_equal(labels == 2, expected)
     _, warnings = dataset.shape_report(index)
     assert any("annotation 1 (part 1 of 2): a polygon of 2 point(s), fewer than 3: not drawn" in w for w in warnings)
+
+
+def test_sparse_shapes_with_uncovered_background_are_pointed_at_ignore(tmp_path):
+    exports.make_yolo(tmp_path)
+    for stem in ("p0", "p1"):  # one small triangle each: ~2% of the pixels
+        (tmp_path / "labels" / "train" / f"{stem}.txt").write_text("1 0.1 0.1 0.3 0.1 0.2 0.25\n")
+    warnings = build("yolo_seg", tmp_path).inspect_masks(0).warnings
+    area = 0.5 * (0.2 * 80) * (0.15 * 60)  # the triangle's pixels; the third image has none
+    share = f"{2 * area / (3 * 80 * 60):.1%}"
+    assert any(f"the shapes cover {share} of the pixels of the 3 images checked" in w and "data.uncovered=ignore" in w
+               for w in warnings)
+    assert not any("shapes cover" in w for w in build("yolo_seg", tmp_path, uncovered="ignore").inspect_masks(0).warnings)
+    exports.make_coco(tmp_path / "dense")
+    assert not any("shapes cover" in w for w in build("coco", tmp_path / "dense").inspect_masks(0).warnings)
