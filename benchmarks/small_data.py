@@ -15,9 +15,15 @@ validation pixel takes the class of the nearest mean. Its val mIoU is the figure
 
     python -m benchmarks.small_data --root /tmp/sparse                       # data and baseline
     python -m benchmarks.small_data --root /tmp/sparse --train small_data.yaml demo.yaml train.iters=300
+    python -m benchmarks.small_data --root /tmp/sparse --format yolo_seg --train small_data.yaml data.uncovered=ignore
 
 `--train` runs train.py on the data for each config named, with the lines verify_dataset prints for it and
-any KEY=VALUE after them, and prints each run's best val mIoU beside the baseline's.
+any KEY=VALUE after them, and prints each run's best val mIoU beside the baseline's. `--format coco|yolo_seg|...`
+writes the same labels as that annotation tool's export instead of a folder (syncseg.data.annotations.writers:
+the sparse polygons of the training tiles, the dense ones of the validation tiles; unlabelled pixels are no
+shape), read by that data set kind: with data.uncovered=ignore the masks are the folder's, with
+data.uncovered=background every pixel nobody drew trains as a background class, as a trainer that fills
+uncovered pixels with background (Ultralytics' semantic task) does.
 """
 from __future__ import annotations
 
@@ -150,6 +156,36 @@ def write_folder(scene: Scene, root: Path) -> dict[str, list[str]]:
     return splits
 
 
+def write_export(scene: Scene, root: Path, kind: str) -> None:
+    """The scene's tiles and labels as `kind`'s export under `root` (images/, train.txt, val.txt and the export
+    that annotation_keys names), from the folder write_folder makes there first."""
+    from PIL import Image
+
+    from syncseg.data.annotations import writers
+
+    splits = write_folder(scene, root)
+    predictions = [writers.Prediction(file_name=f"{name}.png",
+                                      labels=np.asarray(Image.open(root / "masks" / f"{name}.png")))
+                   for names in splits.values() for name in names]
+    write = {"coco": writers.write_coco, "cvat": writers.write_cvat, "labelme": writers.write_labelme,
+             "yolo_seg": writers.write_yolo_seg}[kind]
+    if kind == "labelme":  # labelme finds each image beside its JSON file
+        for names in splits.values():
+            for name in names:
+                (root / "labelme").mkdir(exist_ok=True)
+                (root / "labelme" / f"{name}.png").write_bytes((root / "images" / f"{name}.png").read_bytes())
+    write(predictions, CLASSES, output=root / {"coco": "annotations", "cvat": ".", "labelme": "labelme",
+                                                "yolo_seg": "."}[kind], background=None)
+
+
+def annotation_keys(root: Path, kind: str) -> list[str]:
+    """The data.* keys that read the export `write_export` made (its splits by train.txt and val.txt)."""
+    export = {"coco": "annotations/predictions.json", "cvat": "annotations.xml", "labelme": "labelme",
+              "yolo_seg": "images"}[kind]
+    return [f"data.dataset={kind}", f"data.root={root}", f"data.annotations={export}", "data.train_split=train",
+            "data.val_split=val"]
+
+
 def miou_and_accuracy(prediction: np.ndarray, truth: np.ndarray, num_classes: int) -> tuple[float, float]:
     """(mean IoU over the classes present in truth or prediction, pixel accuracy) over the pixels whose truth
     is not IGNORE."""
@@ -182,8 +218,9 @@ def folder_keys(root: Path) -> list[str]:
             f"data.num_classes={len(CLASSES)}", f"data.class_names={','.join(CLASSES)}"]
 
 
-def printed_lines(root: Path) -> list[str]:
-    """The command line verify_dataset prints for the folder (data.in_channels, max_value, mean, std)."""
+def printed_lines(root: Path, keys: Sequence[str] | None = None) -> list[str]:
+    """The command line verify_dataset prints for the folder (or the data set `keys` read: data.in_channels,
+    max_value, mean, std)."""
     import contextlib
     import io
 
@@ -191,22 +228,24 @@ def printed_lines(root: Path) -> list[str]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = verify(["--config", "demo.yaml", *folder_keys(root)])
+        status = verify(["--config", "demo.yaml", *(folder_keys(root) if keys is None else keys)])
     if status != 0:
         raise RuntimeError(f"verify_dataset found bad samples in {root}:\n{out.getvalue()}")
     (line,) = [line for line in out.getvalue().splitlines() if line.startswith("  command line: ")]
     return line.split(": ", 1)[1].split()
 
 
-def train_config(config: str, root: Path, run_dir: Path, overrides: Sequence[str] = ()) -> dict[str, float]:
-    """train.py --config `config` on the folder with verify_dataset's lines and `overrides`; the best
-    validation's mIoU and pixel accuracy (metrics.jsonl) and the seconds it took."""
+def train_config(config: str, root: Path, run_dir: Path, overrides: Sequence[str] = (),
+                 keys: Sequence[str] | None = None) -> dict[str, float]:
+    """train.py --config `config` on the folder (or the data set `keys` read) with verify_dataset's lines and
+    `overrides`; the best validation's mIoU and pixel accuracy (metrics.jsonl) and the seconds it took."""
     import time
 
     from syncseg.commands.train import main as train
 
+    keys = folder_keys(root) if keys is None else list(keys)
     start = time.perf_counter()
-    status = train(["--config", config, *folder_keys(root), *printed_lines(root), f"output_dir={run_dir}",
+    status = train(["--config", config, *keys, *printed_lines(root, keys), f"output_dir={run_dir}",
                     "--overwrite", *overrides])
     seconds = time.perf_counter() - start
     if status != 0:
@@ -224,10 +263,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=SEED, help=f"the scene's seed (default {SEED}: the one measured)")
     parser.add_argument("--train", nargs="*", default=[], metavar="CONFIG_OR_KEY=VALUE",
                         help="configs to train on it, then KEY=VALUE overrides for all of them")
+    parser.add_argument("--format", default="folder", choices=("folder", "coco", "cvat", "labelme", "yolo_seg"),
+                        help="write the labels as this annotation tool's export (default: a folder of PNG masks)")
     args = parser.parse_args(argv)
     root = Path(args.root)
     scene = build_scene(args.seed)
-    write_folder(scene, root / "data")
+    if args.format == "folder":
+        write_folder(scene, root / "data")
+        keys = None
+    else:
+        write_export(scene, root / "data", args.format)
+        keys = annotation_keys(root / "data", args.format)
     baseline = nearest_centroid(scene)
     print(f"scene seed {args.seed}: {len(CLASSES)} classes ({', '.join(CLASSES)}), {SCENE}x{SCENE} px in "
           f"{(SCENE // TILE) ** 2} tiles of {TILE}; {100 * baseline['labelled_fraction']:.2f}% of the training "
@@ -237,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [item for item in args.train if "=" in item]
     for config in configs:
         name = Path(config).stem
-        result = train_config(config, root / "data", root / "runs" / name, overrides)
+        result = train_config(config, root / "data", root / "runs" / name, overrides, keys=keys)
         verdict = "beats" if result["miou"] > baseline["miou"] else "does NOT beat"
         print(f"{name + ' ' + ' '.join(overrides):<40} val mIoU {result['miou']:.4f}  pixel acc "
               f"{result['pixel_acc']:.4f}  (best at iteration {result['iteration']}, last {result['last_miou']:.4f}; "
