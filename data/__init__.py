@@ -1,4 +1,5 @@
-"""Segmentation datasets (VOC, Cityscapes, ADE20K, synthetic, folder) and their albumentations pipelines.
+"""Segmentation datasets (VOC, Cityscapes, ADE20K, synthetic, folder; the exports of annotation tools in
+syncseg.data.annotations: COCO, labelme, CVAT, YOLO, Label Studio) and their albumentations pipelines.
 
 Every dataset yields (image: uint8 tensor 3xHxW, mask: int64 tensor HxW, `ignore_index` = unlabeled;
 a folder dataset's images are data.in_channels x H x W, uint16 above data.max_value 255: syncseg.data.images)
