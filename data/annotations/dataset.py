@@ -169,7 +169,10 @@ def read_export(kind: str, root: Path, split: str, *, annotations: str = "",
         if unknown:
             export.errors.append(f"'{root / (split + '.txt')}' lists {len(unknown)} name(s) with no image in "
                                  f"'{place}' (first: {unknown[0]!r})")
-        export.images = [image for image in export.images if image.name in wanted]
+        order = {name: position for position, name in reversed(list(enumerate(names)))}
+        # the list's order, as a folder data set keeps it: the same list gives the same batches
+        export.images = sorted((image for image in export.images if image.name in wanted),
+                               key=lambda image: order[image.name])
     if export.errors:
         raise AnnotationError(export.errors, description=description)
     if not export.images:
