@@ -16,6 +16,7 @@ from syncseg.data.annotations.common import BACKGROUND_NAMES, AnnotationOptions
 from syncseg.data.base import SegmentationDataset, Transform
 from syncseg.data.constants import IGNORE
 from syncseg.data.images import ImageFormat
+from syncseg.data.masks import BadSampleError, MaskSampleReport
 from syncseg.data.palettes import bit_palette
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -41,7 +42,30 @@ def read_labelmap(path: Path) -> list[tuple[str, tuple[int, int, int]]]:
     return entries
 
 
-def build_cvat_mask(data_cfg: Any, split: str, transform: Transform) -> SegmentationDataset:
+class CvatMaskSegmentation(SegmentationDataset):
+    """A Segmentation mask 1.1 export: colour masks read through `labelmap`'s colours, which its messages name
+    (the colours come from that file, not from data.class_colors)."""
+
+    def __init__(self, *args: Any, labelmap: Path, **kwargs: Any) -> None:
+        self.labelmap = labelmap
+        super().__init__(*args, **kwargs)
+
+    def _named(self, message: str) -> str:
+        return message.replace("not in data.class_colors", f"not in '{self.labelmap}'")
+
+    def load(self, index: int) -> Any:
+        try:
+            return super().load(index)
+        except BadSampleError as error:
+            raise BadSampleError(self._named(str(error))) from None
+
+    def inspect_masks(self, limit: int) -> MaskSampleReport:
+        report = super().inspect_masks(limit)
+        report.bad = [self._named(message) for message in report.bad]
+        return report
+
+
+def build_cvat_mask(data_cfg: Any, split: str, transform: Transform) -> CvatMaskSegmentation:
     """data.dataset=cvat_mask: `split` of a validated `data` config section."""
     root = Path(data_cfg.root).expanduser()
     labelmap = root / "labelmap.txt"
@@ -74,7 +98,7 @@ def build_cvat_mask(data_cfg: Any, split: str, transform: Transform) -> Segmenta
         found = [root / "JPEGImages" / f"{name}{suffix}" for suffix in IMAGE_EXTENSIONS]
         image = next((path for path in found if path.is_file()), found[0])
         samples.append((image, masks / f"{name}.png"))
-    return SegmentationDataset(samples, classes=classes, palette=bit_palette(len(classes)),
+    return CvatMaskSegmentation(samples, labelmap=labelmap, classes=classes, palette=bit_palette(len(classes)),
                                ignore_index=data_cfg.ignore_index, transform=transform,
                                skip_bad_samples=data_cfg.skip_bad_samples, class_colors=colours,
                                description=f"cvat_mask {split} ({root})", image_format=ImageFormat.of(data_cfg),

@@ -400,8 +400,9 @@ def test_cvat_segmentation_mask_export_reads_its_labelmap(tmp_path):
     assert sparse.classes == ("road", "car")
     np.testing.assert_array_equal(sparse.load(0)[1], np.array([IGNORE, 0, 1, IGNORE], dtype=np.uint8)[indices])
     Image.fromarray(np.full((6, 9, 3), 7, dtype=np.uint8)).save(tmp_path / "SegmentationClass" / "f0.png")
-    with pytest.raises(BadSampleError, match=r"f0.png' has colours not in data.class_colors: #070707"):
+    with pytest.raises(BadSampleError, match=r"f0.png' has colours not in '.*labelmap.txt': #070707"):
         dataset.load(0)
+    assert "not in '" in dataset.inspect_masks(0).bad[0] and "labelmap.txt" in dataset.inspect_masks(0).bad[0]
 
 
 def test_a_two_point_part_is_not_read_as_a_box(tmp_path):
