@@ -143,3 +143,28 @@ def test_train_py_refuses_a_bad_export_at_start_with_one_line(tmp_path, capsys):
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "predictions.json' annotation 1: category_id 77 is not in 'categories'" in error[0]
     assert not (tmp_path / "run" / "last.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["coco", "labelme", "cvat", "yolo_seg", "label_studio"])
+def test_the_hand_made_exports_train(tmp_path, kind):
+    """The small exports of tests/data/annotation_exports.py (overlaps, a hole, RLE or brushes, an ignored region,
+    uncovered pixels; labelme's embedded image) through train.py: validated on the training split itself."""
+    from tests.data import annotation_exports as exports
+
+    root = tmp_path / "export"
+    split = {"coco": "train", "labelme": "train", "cvat": "all", "yolo_seg": "train", "label_studio": "all"}[kind]
+    if kind == "label_studio":
+        exports.make_label_studio(root, encode=lambda mask: encode_brush_rle(
+            np.repeat(mask.reshape(-1).astype(np.uint8) * 255, 4)))
+    else:
+        {"coco": exports.make_coco, "labelme": exports.make_labelme, "cvat": exports.make_cvat,
+         "yolo_seg": exports.make_yolo}[kind](root)
+    settings = [f"data.dataset={kind}", f"data.root={root}", f"data.train_split={split}", f"data.val_split={split}",
+                "train.iters=2", "train.val_interval=2", "train.ckpt_interval=2", "train.batch_size=2",
+                "eval.batch_size=1"]
+    train = importlib.import_module("syncseg.commands.train")
+    assert train.main(["--config", "demo.yaml", *TINY_BASE, *TRAIN, *settings, f"output_dir={tmp_path / 'run'}"]) == 0
+    validation = [record for record in read_metrics(tmp_path / "run") if record["type"] == "val"][-1]
+    assert validation["num_images"] == len(data.build_dataset(
+        DataConfig(dataset=kind, root=str(root)), split, train=False))
