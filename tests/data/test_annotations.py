@@ -437,3 +437,18 @@ def test_sparse_shapes_with_uncovered_background_are_pointed_at_ignore(tmp_path)
     assert not any("shapes cover" in w for w in build("yolo_seg", tmp_path, uncovered="ignore").inspect_masks(0).warnings)
     exports.make_coco(tmp_path / "dense")
     assert not any("shapes cover" in w for w in build("coco", tmp_path / "dense").inspect_masks(0).warnings)
+
+
+@pytest.mark.parametrize("kind", ["coco", "labelme", "cvat", "label_studio"])
+def test_a_dataset_pickles_for_forkserver_workers_and_draws_the_same(tmp_path, kind):
+    import pickle
+
+    maker = {"coco": exports.make_coco, "labelme": exports.make_labelme, "cvat": exports.make_cvat,
+             "label_studio": lambda root: exports.make_label_studio(root, encode=brush)}[kind]
+    maker(tmp_path)
+    split = "all" if kind in ("cvat", "label_studio") else "train"
+    dataset = build(kind, tmp_path, split=split)
+    first = [dataset.load(i)[1] for i in range(len(dataset))]  # fills each polygon's kept RLE
+    copy = pickle.loads(pickle.dumps(dataset))
+    for index, labels in enumerate(first):
+        np.testing.assert_array_equal(copy.load(index)[1], labels)
