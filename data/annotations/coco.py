@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from syncseg.data.annotations.common import Export, counted, find_image, inside_root, read_json, require_pycocotools
+from syncseg.data.annotations.common import (Export, ImageFinder, counted, read_json, repeated_names,
+                                             require_pycocotools)
 from syncseg.data.annotations.shapes import AnnotatedImage, Shape
 
 
@@ -94,7 +95,7 @@ def read(path: Path, *, root: Path, split: str) -> Export:
                root / split, root]
     images: dict[Any, AnnotatedImage] = {}
     by_name: dict[str, list[Any]] = {}
-    missing: list[str] = []
+    finder = ImageFinder(root, folders, path)
     for entry in _table(document.get("images"), "images", path):
         image_id, file_name = entry.get("id"), str(entry.get("file_name", ""))
         if image_id in images:
@@ -103,33 +104,23 @@ def read(path: Path, *, root: Path, split: str) -> Export:
         if not file_name:
             errors.append(f"'{path}': image id {image_id} has no file_name")
             continue
-        found = find_image([file_name, Path(file_name).name], folders)
+        found = finder.find([file_name, Path(file_name).name], what=f"image {image_id}'s file", errors=errors)
         if found is None:
-            missing.append(file_name)
-            continue
-        try:
-            found = inside_root(root, found, source=path, what=f"image {image_id}'s file")
-        except ValueError as error:
-            errors.append(str(error))
             continue
         height, width = entry.get("height"), entry.get("width")
         stated = (int(height), int(width)) if height and width else None
         images[image_id] = AnnotatedImage(name=Path(file_name).stem, image=found, source=path, shapes=[],
                                           stated_size=stated, ident=f"image id {image_id}")
         by_name.setdefault(Path(file_name).name, []).append(image_id)
-    if missing:
-        errors.append(f"'{path}': {counted(missing, 'image file(s) not found')} (looked in "
-                      f"{', '.join(str(f) for f in folders)})")
-    for name, ids in by_name.items():
-        if len(ids) > 1:
-            warnings.append(f"'{path}': the file name '{name}' is listed for {len(ids)} images (ids "
-                            f"{', '.join(map(str, ids[:5]))}): predictions of one overwrite the other's")
+    errors += finder.missing_problems()
+    warnings += repeated_names(path, by_name)
     no_segmentation: list[str] = []
+    listed = {entry.get("id") for entry in _table(document.get("images"), "images", path)}
     for annotation in _table(document.get("annotations"), "annotations", path):
         ident = f"'{path}' annotation {annotation.get('id')}"
         image_id, category_id = annotation.get("image_id"), annotation.get("category_id")
         if image_id not in images:
-            if image_id not in {entry.get("id") for entry in document.get("images") or []}:
+            if image_id not in listed:
                 errors.append(f"{ident}: image_id {image_id} is not in 'images'")
             continue  # its image is missing: said above
         if category_id not in categories:
@@ -138,9 +129,10 @@ def read(path: Path, *, root: Path, split: str) -> Export:
             continue
         image = images[image_id]
         height, width = image.stated_size or (None, None)
+        num_errors = len(errors)
         shape = _segmentation(annotation, ident, height, width, errors)
         if shape is None:
-            if not any(message.startswith(ident) for message in errors):
+            if len(errors) == num_errors:  # no error: it has no segmentation at all
                 no_segmentation.append(str(annotation.get("id")))
             continue
         shape.crowd = bool(annotation.get("iscrowd", 0))

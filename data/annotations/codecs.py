@@ -23,6 +23,21 @@ def decode_cvat_rle(counts: str, *, width: int, height: int) -> np.ndarray:
     return np.repeat(values, runs).reshape(height, width)
 
 
+def encode_cvat_rle(mask: np.ndarray) -> tuple[str, int, int, int, int]:
+    """bool H x W -> (rle, left, top, width, height): CVAT's mask RLE, run lengths ", "-separated over the
+    inclusive box of the mask's pixels, row by row, alternating and starting with a (maybe empty) run of 0s.
+    Raises ValueError for a mask that is not 2-D or has no pixel."""
+    mask = np.asarray(mask, dtype=bool)
+    if mask.ndim != 2 or not mask.any():
+        raise ValueError(f"mask of shape {mask.shape} with {int(mask.sum())} pixels: expected H x W with a pixel set")
+    rows, columns = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
+    top, left = int(rows[0]), int(columns[0])
+    height, width = int(rows[-1]) - top + 1, int(columns[-1]) - left + 1
+    flat = mask[top:top + height, left:left + width].ravel()
+    runs = np.diff(np.concatenate([[0], np.flatnonzero(flat[1:] != flat[:-1]) + 1, [flat.size]])).tolist()
+    return ", ".join(str(run) for run in ([0] + runs if flat[0] else runs)), left, top, width, height
+
+
 def cvat_rle_length(counts: str) -> int:
     """The pixels CVAT's RLE `counts` covers (ValueError for values that are not integers)."""
     return sum(int(value) for value in counts.split(",") if value.strip())

@@ -96,6 +96,43 @@ def find_image(names: list[str], folders: list[Path]) -> Path | None:
     return None
 
 
+@dataclass
+class ImageFinder:
+    """An export's image files, looked for in `folders` by the names an annotation gives and kept inside
+    `root`; the ones found nowhere make one line (`missing_problems`) instead of one per image."""
+
+    root: Path
+    folders: list[Path]
+    source: Path
+    missing: list[str] = field(default_factory=list)
+
+    def find(self, names: list[str], *, what: str, errors: list[str], shown: str = "") -> Path | None:
+        """The first of `names` in the folders (None, counted as missing under `shown` or the first name, when
+        there is none; None and a line in `errors` when it lies outside the root)."""
+        found = find_image(names, self.folders)
+        if found is None:
+            self.missing.append(shown or names[0])
+            return None
+        try:
+            return inside_root(self.root, found, source=self.source, what=what)
+        except ValueError as error:
+            errors.append(str(error))
+            return None
+
+    def missing_problems(self, *, noun: str = "image file(s) not found", hint: str = "") -> list[str]:
+        if not self.missing:
+            return []
+        return [f"'{self.source}': {counted(self.missing, noun)} (looked in "
+                f"{', '.join(str(folder) for folder in self.folders)}{hint})"]
+
+
+def repeated_names(source: Path, ids_by_name: dict[str, list[Any]]) -> list[str]:
+    """One warning per file name that several images of the export share."""
+    return [f"'{source}': the file name '{name}' is listed for {len(ids)} images (ids "
+            f"{', '.join(map(str, ids[:5]))}): predictions of one overwrite the other's"
+            for name, ids in ids_by_name.items() if len(ids) > 1]
+
+
 def counted(items: list[str], what: str) -> str:
     """'3 images (first: a.jpg, b.jpg, c.jpg)' with at most three named."""
     shown = ", ".join(items[:3]) + (" ..." if len(items) > 3 else "")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from syncseg.data.annotations.codecs import cvat_rle_length
-from syncseg.data.annotations.common import Export, counted, find_image, inside_root, require_pycocotools
+from syncseg.data.annotations.common import Export, ImageFinder, counted, repeated_names, require_pycocotools
 from syncseg.data.annotations.shapes import AnnotatedImage, Shape
 
 REGION_TAGS = ("polygon", "polyline", "box", "ellipse", "points", "mask")
@@ -86,18 +86,13 @@ def read(path: Path, *, root: Path, split: str, line_width: float) -> Export:
     if not labels:
         errors.append(f"'{path}': no <labels> in its <meta>: CVAT lists the classes there")
     folders = [root / "images", path.parent / "images", path.parent, root]
-    images, missing, names = [], [], {}
+    images, names = [], {}
+    finder = ImageFinder(root, folders, path)
     for element in document.iterfind("image"):
         name = element.get("name", "")
         ident = f"image id {element.get('id')} '{name}'"
-        found = find_image([name, Path(name).name], folders)
+        found = finder.find([name, Path(name).name], what=f"{ident}'s file", errors=errors)
         if found is None:
-            missing.append(name)
-            continue
-        try:
-            found = inside_root(root, found, source=path, what=f"{ident}'s file")
-        except ValueError as error:
-            errors.append(str(error))
             continue
         names.setdefault(Path(name).name, []).append(element.get("id"))
         shapes = []
@@ -116,13 +111,8 @@ def read(path: Path, *, root: Path, split: str, line_width: float) -> Export:
         stated = (int(element.get("height")), int(element.get("width"))) if element.get("height") else None
         images.append(AnnotatedImage(name=Path(name).stem, image=found, source=path, shapes=shapes,
                                      stated_size=stated, ident=ident))
-    if missing:
-        errors.append(f"'{path}': {counted(missing, 'image file(s) not found')} (looked in "
-                      f"{', '.join(str(f) for f in folders)})")
-    for name, ids in names.items():
-        if len(ids) > 1:
-            warnings.append(f"'{path}': the file name '{name}' is listed for {len(ids)} images (ids "
-                            f"{', '.join(ids[:5])})")
+    errors += finder.missing_problems()
+    warnings += repeated_names(path, names)
     empty = [image.name for image in images if not image.shapes]
     if empty:
         warnings.append(f"'{path}': {counted(empty, 'image(s) without shapes')}")

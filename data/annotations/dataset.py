@@ -25,7 +25,8 @@ import numpy as np
 
 from syncseg.data.annotations import coco, cvat, label_studio, labelme, yolo_seg
 from syncseg.data.annotations.common import BACKGROUND_NAMES, AnnotationError, AnnotationOptions, Export
-from syncseg.data.annotations.shapes import AnnotatedImage, Shape, decode_embedded_image, rasterize, shape_problems
+from syncseg.data.annotations.problems import shape_problems
+from syncseg.data.annotations.shapes import AnnotatedImage, Shape, decode_embedded_image, rasterize
 from syncseg.data.base import SegmentationDataset, Transform
 from syncseg.data.constants import IGNORE
 from syncseg.data.images import ImageFormat, read_image

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 import numpy as np
 
 from syncseg.data.annotations.codecs import brush_rle_length
-from syncseg.data.annotations.common import Export, counted, find_image, inside_root, read_json
+from syncseg.data.annotations.common import Export, ImageFinder, counted, read_json
 from syncseg.data.annotations.shapes import AnnotatedImage, Shape
 
 UPLOAD_PREFIX = re.compile(r"^[0-9a-f]{8}-")
@@ -87,7 +87,7 @@ def _shape(result: dict[str, Any], ident: str, errors: list[str]) -> Shape | Non
                  encoded=(tuple(rle), int(width), int(height)))
 
 
-def read(path: Path, *, root: Path, split: str, class_names: tuple[str, ...] = ()) -> Export:
+def read(path: Path, *, root: Path, split: str) -> Export:
     """The Label Studio JSON export `path` (images under `root`) as an Export."""
     document = read_json(path)
     if not isinstance(document, list):
@@ -95,7 +95,8 @@ def read(path: Path, *, root: Path, split: str, class_names: tuple[str, ...] = (
     errors: list[str] = []
     warnings: list[str] = []
     folders = [root / "images", path.parent, root]
-    images, missing, several, seen = [], [], [], set()
+    images, several, seen = [], [], set()
+    finder = ImageFinder(root, folders, path)
     other_types: dict[str, int] = {}  # results that are not regions: rectangles, choices, keypoints ...
     for number, task in enumerate(document):
         if not isinstance(task, dict):
@@ -106,14 +107,8 @@ def read(path: Path, *, root: Path, split: str, class_names: tuple[str, ...] = (
         if not reference:
             errors.append(f"'{path}' {ident}: has no image (data.image)")
             continue
-        found = find_image(_names_for(reference), folders)
+        found = finder.find(_names_for(reference), what=f"{ident}'s image", errors=errors, shown=reference)
         if found is None:
-            missing.append(reference)
-            continue
-        try:
-            found = inside_root(root, found, source=path, what=f"{ident}'s image")
-        except ValueError as error:
-            errors.append(str(error))
             continue
         results, num_annotations = _results(task)
         if num_annotations > 1:
@@ -131,9 +126,8 @@ def read(path: Path, *, root: Path, split: str, class_names: tuple[str, ...] = (
                 stated = (int(result["original_height"]), int(result["original_width"]))
         images.append(AnnotatedImage(name=found.stem, image=found, source=path, shapes=shapes, stated_size=stated,
                                      ident=ident))
-    if missing:
-        errors.append(f"'{path}': {counted(missing, 'image(s) not found')} (looked in "
-                      f"{', '.join(str(f) for f in folders)}; put the files Label Studio was given there)")
+    errors += finder.missing_problems(noun="image(s) not found",
+                                      hint="; put the files Label Studio was given there")
     if other_types:
         listed = ", ".join(f"{count} {kind or 'untyped'}" for kind, count in sorted(other_types.items()))
         warnings.append(f"'{path}': results that are not polygons or brushes are left out ({listed})")
@@ -143,5 +137,4 @@ def read(path: Path, *, root: Path, split: str, class_names: tuple[str, ...] = (
     empty = [image.name for image in images if not image.shapes]
     if empty:
         warnings.append(f"'{path}': {counted(empty, 'task(s) without regions')}")
-    names = list(class_names) if class_names else sorted(seen)
-    return Export(images=images, labels={name: name for name in names}, errors=errors, warnings=warnings)
+    return Export(images=images, labels={name: name for name in sorted(seen)}, errors=errors, warnings=warnings)

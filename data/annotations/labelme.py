@@ -95,6 +95,13 @@ def read_file(path: Path, document: dict[str, Any], *, root: Path,
                           embedded=embedded), errors
 
 
+def _labels_of(document: Any) -> set[str]:
+    """The labels of a labelme document's shapes (nothing for JSON that is not labelme's)."""
+    if not isinstance(document, dict):
+        return set()
+    return {str(shape.get("label", "")) for shape in document.get("shapes") or [] if isinstance(shape, dict)}
+
+
 def read_labels_file(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -105,7 +112,10 @@ def read(folder: Path, *, root: Path, split: str, line_width: float) -> Export:
     warnings = []
     images = []
     others = []
-    for path in json_files(folder):
+    seen: set[str] = set()  # every label of the data root, for a class list without labels.txt
+    files = json_files(folder)
+    read_here = set(files)
+    for path in files:
         try:
             document = read_json(path)
         except ValueError as error:
@@ -114,6 +124,7 @@ def read(folder: Path, *, root: Path, split: str, line_width: float) -> Export:
         if not isinstance(document, dict) or "shapes" not in document:
             others.append(path.name)  # a COCO file or a config beside the labelme files
             continue
+        seen.update(_labels_of(document))
         image, found = read_file(path, document, root=root, line_width=line_width)
         errors.extend(found)
         if image is not None:
@@ -123,16 +134,13 @@ def read(folder: Path, *, root: Path, split: str, line_width: float) -> Export:
     listed = labels_file(root, folder)
     if listed is not None:
         names = read_labels_file(listed)
-    else:  # every label of the data root, so that all splits get one class list
-        seen: set[str] = set()
+    else:  # the labels of the other splits' files too, so that all splits get one class list
         for path in json_files(root):
-            try:
-                document = read_json(path)
-            except ValueError:
-                continue  # said where its split is read
-            if isinstance(document, dict):
-                seen.update(str(shape.get("label", "")) for shape in document.get("shapes") or []
-                            if isinstance(shape, dict))
+            if path not in read_here:
+                try:
+                    seen.update(_labels_of(read_json(path)))
+                except ValueError:
+                    continue  # said where its split is read
         names = sorted(seen)
     empty = [image.name for image in images if not image.shapes]
     if empty:

@@ -21,7 +21,7 @@ os.replace: a crash leaves the old file or the whole new one) and returns the pa
   cross at a diagonal as 8-connected ones can. Ignore pixels are not written: inside a region they become
   part of it, elsewhere labelme2voc makes them background.
 - `write_cvat`: annotations.xml, CVAT for images 1.1: per image one <mask> per class present, in CVAT's run
-  lengths over the class's bounding box (`encode_cvat_rle`). Exact, holes kept.
+  lengths over the class's bounding box (`codecs.encode_cvat_rle`). Exact, holes kept.
 - `write_yolo_seg`: labels/<folder>/<stem>.txt per image and data.yaml (`names` in id order). YOLO has no
   background id: ids are class indices with the background class removed and the classes after it shifted
   down. One line per 8-connected region: its id, then its polygon normalized by the image's width and height,
@@ -44,6 +44,7 @@ import cv2
 import numpy as np
 from PIL import Image, ImageDraw
 
+from syncseg.data.annotations.codecs import encode_cvat_rle
 from syncseg.data.constants import IGNORE_INDEX
 
 LABELME_VERSION = "5.5.0"
@@ -333,41 +334,6 @@ def write_labelme(predictions: Iterable[Prediction], classes: Sequence[str], *, 
 
 
 # ------------------------------------------------------------------------------------------------ CVAT
-def encode_cvat_rle(mask: np.ndarray) -> tuple[str, int, int, int, int]:
-    """bool H x W -> (rle, left, top, width, height): CVAT's mask RLE, run lengths ", "-separated over the
-    inclusive box of the mask's pixels, row by row, alternating and starting with a (maybe empty) run of 0s.
-    Raises ValueError for a mask that is not 2-D or has no pixel."""
-    mask = np.asarray(mask, dtype=bool)
-    if mask.ndim != 2 or not mask.any():
-        raise ValueError(f"mask of shape {mask.shape} with {int(mask.sum())} pixels: expected H x W with a pixel set")
-    rows, columns = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
-    top, left = int(rows[0]), int(columns[0])
-    height, width = int(rows[-1]) - top + 1, int(columns[-1]) - left + 1
-    flat = mask[top:top + height, left:left + width].ravel()
-    runs = np.diff(np.concatenate([[0], np.flatnonzero(flat[1:] != flat[:-1]) + 1, [flat.size]])).tolist()
-    return ", ".join(str(run) for run in ([0] + runs if flat[0] else runs)), left, top, width, height
-
-
-def decode_cvat_rle(rle: str, *, left: int, top: int, width: int, height: int, image_height: int,
-                    image_width: int) -> np.ndarray:
-    """CVAT's mask RLE over the box (left, top, width, height) -> bool image_height x image_width. Raises
-    ValueError for runs that are not non-negative integers summing to width * height, or a box that leaves
-    the image."""
-    try:
-        runs = [int(part) for part in rle.split(",")]
-    except ValueError:
-        raise ValueError(f"rle '{rle[:40]}': expected comma-separated run lengths") from None
-    if min(runs) < 0 or sum(runs) != width * height:
-        raise ValueError(f"rle with runs summing to {sum(runs)} (smallest {min(runs)}): expected non-negative runs "
-                         f"summing to width * height = {width} * {height} = {width * height}")
-    if left < 0 or top < 0 or left + width > image_width or top + height > image_height:
-        raise ValueError(f"mask box left={left} top={top} width={width} height={height}: expected it inside the "
-                         f"{image_width}x{image_height} image")
-    mask = np.zeros((image_height, image_width), dtype=bool)
-    mask[top:top + height, left:left + width] = np.repeat(np.arange(len(runs)) % 2 == 1, runs).reshape(height, width)
-    return mask
-
-
 def write_cvat(predictions: Iterable[Prediction], classes: Sequence[str], *, output: Path,
                background: int | None, ignore_index: int = IGNORE_INDEX) -> list[Path]:
     """Write output/annotations.xml (CVAT for images 1.1, see the module docstring); returns [its path]; image

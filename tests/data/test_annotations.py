@@ -9,7 +9,8 @@ import pytest
 from syncseg import data
 from syncseg.data.annotations.codecs import decode_brush_rle, decode_cvat_rle, encode_brush_rle
 from syncseg.data.annotations.common import AnnotationError
-from syncseg.data.annotations.shapes import Shape, self_intersection, shape_mask
+from syncseg.data.annotations.problems import self_intersection
+from syncseg.data.annotations.shapes import Shape, shape_mask
 from syncseg.data.masks import BadSampleError
 from syncseg.engine.config import DataConfig
 from tests.data import annotation_exports as exports
@@ -170,7 +171,7 @@ def test_self_intersecting_and_degenerate_polygons_are_reported(tmp_path):
 
 
 def test_winding_twice_against_a_brute_force_winding_number():
-    from syncseg.data.annotations.shapes import overlaps_itself
+    from syncseg.data.annotations.problems import overlaps_itself
 
     def winding(ring, x, y):
         angles = np.arctan2(ring[:, 1] - y, ring[:, 0] - x)
