@@ -1,4 +1,5 @@
-"""What a run reports: metrics.jsonl, TensorBoard scalars, text and images, throughput, progress lines.
+"""What a run reports: metrics.jsonl, TensorBoard scalars, text and images, the trackers' metrics (MLflow, W&B:
+syncseg.engine.trackers), throughput, progress lines.
 
 Only rank 0 writes (`enabled`). metrics.jsonl holds one JSON object per logged step:
 {"type": "train" | "val", "iteration": N, ...the scalars...}. The TensorBoard event files sit in the
@@ -38,15 +39,19 @@ VAL_SCALARS = ("miou", "pixel_acc", "mean_acc", "fwiou", "num_images")
 
 
 class MetricsLog:
-    """TensorBoard scalars/images plus metrics.jsonl in `run_dir`.
+    """TensorBoard scalars/images (unless `tensorboard` is False) plus metrics.jsonl in `run_dir`, and every scalar
+    handed to the `trackers` (syncseg.engine.trackers; they queue it, never blocking).
 
     A fresh run (`resume_iteration` None) starts metrics.jsonl and the TensorBoard steps over; a
     resumed one keeps what was logged up to `resume_iteration` and drops the rest (what a killed run
     logged after the checkpoint it resumes from).
     """
 
-    def __init__(self, run_dir: Path, *, enabled: bool, resume_iteration: int | None = None) -> None:
+    def __init__(self, run_dir: Path, *, enabled: bool, resume_iteration: int | None = None, tensorboard: bool = True,
+                 trackers: Sequence[Any] = ()) -> None:
         self.enabled = enabled
+        self.tensorboard = tensorboard
+        self.trackers = list(trackers)
         self.path = run_dir / "metrics.jsonl"
         self.writer = None
         self.run_dir = run_dir
@@ -67,7 +72,8 @@ class MetricsLog:
                     kept.append(line)
             text = "".join(line + "\n" for line in kept).encode()
             write_atomically(self.path, lambda file: file.write(text), what="metrics log")
-        self._open()
+        if tensorboard:
+            self._open()
 
     def _open(self) -> Any:
         if self.writer is None:
@@ -116,10 +122,14 @@ class MetricsLog:
                 file.write(line)
         except OSError as error:
             raise OSError(error.errno, f"could not append to '{self.path}': {error.strerror or error}") from None
-        with self._events() as writer:
-            for key, value in flat_numbers(record):
-                if f"{prefix}/{key}" not in NOT_PLOTTED:
-                    writer.add_scalar(f"{prefix}/{key}", value, step)
+        values = [(f"{prefix}/{key}", value) for key, value in flat_numbers(record)
+                  if f"{prefix}/{key}" not in NOT_PLOTTED]
+        for tracker in self.trackers:
+            tracker.log(values, step)
+        if self.tensorboard:
+            with self._events() as writer:
+                for key, value in values:
+                    writer.add_scalar(key, value, step)
 
     def validation(self, metrics: Mapping[str, Any], *, classes: Sequence[str], step: int) -> None:
         """Log evaluate()'s `metrics` as `val` scalars (per-class IoU under val/iou/<class>) and the
@@ -127,12 +137,12 @@ class MetricsLog:
         record = {key: metrics[key] for key in VAL_SCALARS if key in metrics}
         record["iou"] = {name: value for name, value in zip(classes, metrics["iou"]) if value is not None}
         self.scalars(record, step=step, prefix="val")
-        if self.enabled:
+        if self.enabled and self.tensorboard:
             with self._events() as writer:
                 writer.add_text("val/summary", validation_markdown(metrics, classes=classes, step=step), step)
 
     def image(self, tag: str, image: np.ndarray, *, step: int) -> None:
-        if self.enabled:
+        if self.enabled and self.tensorboard:
             with self._events() as writer:
                 writer.add_image(tag, image, step, dataformats="HWC")
 
@@ -153,9 +163,17 @@ class MetricsLog:
             raise
         self.flush()
 
-    def close(self) -> None:
-        """Close the event files. Never raises an OSError: it runs however training ended, also after
-        the error that stopped it; a failure to write the last events is a warning."""
+    def tracker_ids(self) -> dict[str, str]:
+        """Each started tracker's run id by its name (last.pt's `trackers`: a resume continues those runs)."""
+        return {tracker.name: tracker.run_id for tracker in self.trackers if tracker.run_id}
+
+    def close(self, *, status: str = "finished", files: Mapping[str, Path] | None = None) -> None:
+        """End the trackers' runs with `status` (finished, failed, killed; `files`: artifacts such as best.pt,
+        name -> path) and close the event files. Never raises an OSError: it runs however training ended, also
+        after the error that stopped it; a failure to write the last events is a warning."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close(status=status, files=files or {})
         if self.writer is None:
             return
         writer, self.writer = self.writer, None

@@ -31,6 +31,7 @@ from syncseg.engine.checkpoint_file import RESUME_KEYS, load_checkpoint, peek_ch
 from syncseg.engine.config import Config, DistConfig
 from syncseg.engine.config import build_config, from_dict, load_config, parse_overrides, to_dict
 from syncseg.engine.distributed import DistInfo, broadcast_object, is_dist
+from syncseg.engine.trackers import require_trackers
 from syncseg.engine.atomic import TEMPORARY_SUFFIX
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ def _decide(source: ConfigSource, resume: str | None, overrides: list[str], *, o
         if path is None and last.is_file() and (resume == "auto" or elastic):
             path, payload = last, load_checkpoint(last, required_keys=RESUME_KEYS)
         if path is None:
+            require_trackers(file_config.log.loggers)  # before --overwrite deletes anything
             existing = [name for name in CHECKPOINT_NAMES if (run_dir / name).is_file()]
             if existing and not overwrite:
                 held = peek_checkpoint(run_dir / existing[0]) or {}
@@ -207,6 +209,7 @@ def _decide(source: ConfigSource, resume: str | None, overrides: list[str], *, o
                     f"{'; '.join(_config_differences(from_file, config))}; to change a setting of a resumed run "
                     "give it as KEY=VALUE on the command line (or resume with --resume PATH alone)")
         remove_orphaned_temporaries(run_dir)
+        require_trackers(config.log.loggers)
         return config, run_overrides, path, payload, lock
     except BaseException:
         lock.release()

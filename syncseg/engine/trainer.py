@@ -21,7 +21,7 @@ import torch
 from syncseg.data.transforms import normalize_batch
 from syncseg.engine.accumulation import gradient_sync, step_normalizer
 from syncseg.engine.build import TrainingParts, build_training
-from syncseg.engine.config import Config, save_config
+from syncseg.engine.config import Config, save_config, to_dict
 from syncseg.engine.devices import autocast_for
 from syncseg.engine.distributed import DistInfo, all_reduce_sum
 from syncseg.engine.evaluate import validate_during_training
@@ -31,6 +31,7 @@ from syncseg.engine.reporting import MetricsLog, Stopwatch, Throughput, log_trai
 from syncseg.engine.samplers import shutdown_workers, train_steps
 from syncseg.engine.seeding import seed_process
 from syncseg.engine.signals import StopRequest
+from syncseg.engine.trackers import start_trackers
 from syncseg.engine.training_state import Checkpointer, non_finite_error, resume_training, training_payload
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,15 @@ def read_back_losses(pending: list[tuple[int, torch.Tensor]], *, run_dir: Any) -
     return losses
 
 
+def metrics_log(config: Config, *, is_main: bool, resume: Mapping[str, Any] | None, iteration: int) -> MetricsLog:
+    """The run's MetricsLog: metrics.jsonl, TensorBoard and the trackers of log.loggers (rank 0 only), continuing
+    the tracker runs whose ids a resumed last.pt kept."""
+    trackers = start_trackers(config.log, run_dir=config.run_dir, run_name=config.name, config_dict=to_dict(config),
+                              resume_ids=(resume or {}).get("trackers")) if is_main else []
+    return MetricsLog(config.run_dir, enabled=is_main, tensorboard="tensorboard" in config.log.loggers,
+                      resume_iteration=iteration if resume is not None else None, trackers=trackers)
+
+
 class StopTraining(Exception):
     """A stop every process agreed on (StopRequest.agreed), raised once last.pt is saved at this iteration;
     Trainer.fit catches it, and nothing else does."""
@@ -122,8 +132,7 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.run_dir / "config.yaml")
-        self.log = MetricsLog(self.run_dir, enabled=self.dist.is_main,
-                              resume_iteration=self.iteration if resume is not None else None)
+        self.log = metrics_log(self.config, is_main=self.dist.is_main, resume=resume, iteration=self.iteration)
 
     @classmethod
     def from_config(cls, config: Config, dist_info: DistInfo, *, resume: Mapping[str, Any] | None = None,
@@ -181,6 +190,7 @@ class Trainer:
         if result.reason != "signal" and self.iteration < total:
             result.reason = "stopped"
         result.iteration, result.best_miou = self.iteration, self.best_miou
+        self.outcome = "killed" if result.reason == "signal" else "finished"
         return result
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -254,7 +264,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint payload of this run (without the RNG states, which the Checkpointer adds)."""
         return training_payload(self.parts, iteration=self.iteration, best_miou=self.best_miou, run_id=self.run_id,
-                                overrides=self.overrides, validation_due=self.validation_due)
+                                overrides=self.overrides, validation_due=self.validation_due, trackers=self.log.tracker_ids())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a last.pt payload (syncseg.engine.training_state.resume_training)."""
@@ -270,8 +280,8 @@ class Trainer:
             self._last_saved = (self.iteration, self.best_miou, self.validation_due)
 
     def close(self) -> None:
-        """Stop the data-loading workers and close the TensorBoard writer (call it however training ended)."""
+        """Stop the data workers, end the trackers' runs, close TensorBoard (however training ended)."""
         if self._steps is not None:
             self._steps.close()
         shutdown_workers(self.parts.train_loader)
-        self.log.close()
+        self.log.close(status=getattr(self, "outcome", "failed"), files={"best.pt": self.run_dir / "best.pt"})

@@ -104,8 +104,10 @@ class Checkpointer:
 
 
 def training_payload(parts: "TrainingParts", *, iteration: int, best_miou: float, run_id: str,
-                     overrides: Mapping[str, str], validation_due: bool) -> dict[str, Any]:
-    """What a run's last.pt holds at `iteration` (without the RNG states, which Checkpointer.save adds)."""
+                     overrides: Mapping[str, str], validation_due: bool,
+                     trackers: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What a run's last.pt holds at `iteration` (without the RNG states, which Checkpointer.save adds);
+    `trackers`: the MLflow / W&B run ids (name -> id) a resume continues."""
     return {
         "format_version": FORMAT_VERSION, "model": parts.model.state_dict(), "config": to_dict(parts.config),
         "classes": list(parts.classes), "iteration": iteration,
@@ -116,6 +118,7 @@ def training_payload(parts: "TrainingParts", *, iteration: int, best_miou: float
         **({"ema": parts.ema.state_dict()} if parts.ema is not None else {}),
         # an annotation export's numeric label ids (COCO category ids), so predictions go back with them
         **({"label_ids": list(label_ids)} if (label_ids := getattr(parts.train_set, "label_ids", None)) else {}),
+        **({"trackers": dict(trackers)} if trackers else {}),
     }
 
 

@@ -25,6 +25,7 @@ from syncseg.engine.config.schema import (
     DistConfig,
     EvalConfig,
     Limit,
+    LogConfig,
     ModelConfig,
     Precision,
     SquareIfOne,
@@ -37,7 +38,8 @@ from syncseg.engine.config.schema import (
 
 __all__ = [
     "CONFIG_DIR", "RENAMED_KEYS", "SECTIONS", "Config",
-    "DataConfig", "DistConfig", "EvalConfig", "Limit", "ModelConfig", "Precision", "SquareIfOne", "TrainConfig",
+    "DataConfig", "DistConfig", "EvalConfig", "Limit", "LogConfig", "ModelConfig", "Precision", "SquareIfOne",
+    "TrainConfig",
     "all_keys", "build_config", "choices", "config_yaml", "field_types", "flatten", "from_dict",
     "inference_config", "load_config", "parse_overrides", "read_yaml", "resolve_config_path", "save_config",
     "to_dict", "validate",

@@ -234,6 +234,24 @@ class DistConfig:
     timeout_s: float = _limited(300.0, Limit(gt=0))
 
 
+LOGGERS = ("tensorboard", "mlflow", "wandb")  # log.loggers' names (syncseg/engine/trackers.py)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    # where a run's records go besides metrics.jsonl (always written), rank 0 only: any of LOGGERS
+    loggers: tuple[str, ...] = ("tensorboard",)
+    # MLflow's tracking URI: "" = a SQLite store in the run dir (run_dir/mlflow.db, no server); else the
+    # server's http(s):// address or another store URI (sqlite:///..., postgresql://..., databricks)
+    mlflow_uri: str = ""
+    mlflow_experiment: str = ""  # "" = the config's name
+    mlflow_checkpoint: bool = False  # upload best.pt as an artifact of the MLflow run when training ends
+    wandb_project: str = ""  # "" = syncseg; offline unless WANDB_MODE says otherwise (docs/training.md)
+    wandb_entity: str = ""  # "" = the W&B default entity
+    # seconds a tracker may take to start (a server that does not answer) and to send what is queued at the end
+    timeout_s: float = _limited(30.0, Limit(gt=0))
+
+
 @dataclass(frozen=True)
 class Config:
     name: str = "default"
@@ -243,6 +261,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -250,7 +269,8 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "eval": EvalConfig,
-                             "dist": DistConfig}
+                             "dist": DistConfig,
+                             "log": LogConfig}
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -342,6 +362,21 @@ def validate(config: Config, *, source: str = "config") -> None:
                          "batch's; use train.accumulate=1 (a smaller train.batch_size) or train.ohem=false")
     check_data_for_its_kind(data, source)
     _check_loss(train, source)
+    _check_log(config.log, source)
+
+
+def _check_log(log: LogConfig, source: str) -> None:
+    for name in log.loggers:
+        if name not in LOGGERS:
+            raise ValueError(f"{source}: log.loggers names '{name}', which is not one of {', '.join(LOGGERS)}")
+        if log.loggers.count(name) > 1:
+            raise ValueError(f"{source}: log.loggers lists '{name}' twice")
+    for key, value, logger in (("mlflow_uri", log.mlflow_uri, "mlflow"), ("mlflow_experiment", log.mlflow_experiment,
+                               "mlflow"), ("mlflow_checkpoint", log.mlflow_checkpoint, "mlflow"), ("wandb_project", log.wandb_project, "wandb"),
+                               ("wandb_entity", log.wandb_entity, "wandb")):
+        if value and logger not in log.loggers:
+            raise ValueError(f"{source}: log.{key}={value} is set but log.loggers ({','.join(log.loggers) or 'empty'}) "
+                             f"does not name {logger}; add it (log.loggers={','.join(log.loggers + (logger,))})")
 
 
 def _check_loss(train: TrainConfig, source: str) -> None:
