@@ -145,6 +145,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
     from syncseg.engine.devices import inference_device, log_precision
     from syncseg.engine.evaluate import evaluate
     from syncseg.engine.model_from_checkpoint import load_inference_model
+    from syncseg.engine.object_store import local_data
     from syncseg.engine.samplers import build_eval_loader
 
     is_main = dist_info is None or dist_info.is_main
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace, dist_info: Any) -> tuple[dict[str, Any], dict[
                                   runtime=runtime_choice(args))
     config, classes = loaded.config, loaded.classes
     split = args.split or config.data.val_split
-    dataset = build_dataset(config.data, split, train=False, compact_masks=True)  # uint8 masks where they fit
+    dataset = build_dataset(local_data(config.data), split, train=False, compact_masks=True)  # uint8 masks where they fit
     check_classes(args.checkpoint, classes, dataset, config.data, split)
     loader = build_eval_loader(dataset, batch_size=config.eval.batch_size, num_workers=config.data.num_workers,
                                pin_memory=device.type == "cuda")
@@ -218,11 +219,12 @@ def print_config(args: argparse.Namespace) -> int:
     (FileNotFoundError / ValueError when it cannot be read)."""
     from syncseg.engine.checkpoint_file import peek_checkpoint
     from syncseg.engine.config import config_yaml, inference_config
+    from syncseg.engine.object_store import local_copy
 
-    if not Path(args.checkpoint).is_file():
+    if not local_copy(args.checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint '{args.checkpoint}' not found (expected a .pt file written by "
                                 "train.py)")
-    saved = peek_checkpoint(args.checkpoint)
+    saved = peek_checkpoint(local_copy(args.checkpoint))
     if not saved or "config" not in saved:
         raise ValueError(f"checkpoint '{args.checkpoint}' could not be read (truncated, corrupt, or not a "
                          "syncseg checkpoint)")

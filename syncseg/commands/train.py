@@ -106,11 +106,11 @@ def train(args: argparse.Namespace, where: dict[str, Any]) -> int:
     if dist_info.is_main:
         if result.reason == "signal":
             print(f"train.py: stopped by {signal.Signals(result.signal).name} at iteration {result.iteration}; "
-                  f"saved {run.run_dir / 'last.pt'}; continue with: {resume_command(args, dist_info)}",
+                  f"saved {run.location}/last.pt; continue with: {resume_command(args, dist_info)}",
                   file=sys.stderr)
         best = f"best val mIoU {result.best_miou:.4f}" if result.best_miou >= 0 else "no validation yet"
         logger.info("%s at iteration %d (%s); checkpoints in %s", "stopped" if result.reason != "finished" else "done",
-                    result.iteration, best, run.run_dir)
+                    result.iteration, best, run.location)
     cleanup(synchronize=result.reason != "signal")
     return 128 + result.signal if result.reason == "signal" else 0
 

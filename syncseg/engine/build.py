@@ -24,6 +24,7 @@ from syncseg.engine.config import Config
 from syncseg.engine.devices import apply_fp32_precision, log_precision, resolve_channels_last
 from syncseg.engine.distributed import DistInfo, assign_sync_groups, compile_for_training, wrap_for_training
 from syncseg.engine.ema import ModelEMA
+from syncseg.engine.object_store import local_data
 from syncseg.engine.loss import SegmentationLoss, build_loss
 from syncseg.engine.precise_bn import build_precise_bn_loader
 from syncseg.engine.optim import PolyWarmupLR, build_optimizer, build_param_groups
@@ -92,7 +93,7 @@ def build_training(config: Config, dist_info: DistInfo, *, init_weights: bool = 
     process. `init_weights`: load model.init_checkpoint (a fresh run; a resumed one loads its checkpoint
     instead). The model initializes identically on every process. Raises ValueError / FileNotFoundError
     for data, weights or settings that cannot be used (before any step)."""
-    train_cfg, data_cfg, device = config.train, config.data, dist_info.device
+    train_cfg, data_cfg, device = config.train, local_data(config.data), dist_info.device  # a URL root: mirrored
     torch.manual_seed(mix_seed(train_cfg.seed, "init"))  # mix_seed: 63 bits
     # masks stay uint8 until the device (Trainer.train_step widens them; the confusion matrix counts them as
     # they are): less work per sample, 8x less to collate, share and transfer

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from syncseg.engine.atomic import write_atomically
+from syncseg.engine.object_store import local_copy
 from syncseg.model.backbones import unwrap_state_dict
 
 FORMAT_VERSION = 1
@@ -163,9 +164,10 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
     segmentation weights such as deeplabv3_resnet101_coco-586e9e4e.pth), or a state dict wrapped as
     {"state_dict": ...} or {"model": ...}; a `module.` prefix on every key is stripped later
     (syncseg.model.weights.load_segmentation_weights). Raises FileNotFoundError naming the file and where such
-    files come from, ValueError when it is unreadable or holds no state dict.
+    files come from, ValueError when it is unreadable or holds no state dict. An object-store URL is read from
+    its download (syncseg.engine.object_store.local_copy).
     """
-    path = Path(path)
+    path = local_copy(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"model.init_checkpoint: weights file '{path}' not found; give a best.pt / last.pt of a syncseg run or "

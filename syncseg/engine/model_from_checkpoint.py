@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from syncseg.engine.checkpoint_file import load_checkpoint
+from syncseg.engine.object_store import local_copy
 from syncseg.engine.config import Config, from_dict, inference_config
 from syncseg.engine.devices import resolve_channels_last
 from syncseg.model.builder import build_model
@@ -48,9 +49,9 @@ def load_inference_model(path: str | Path, *, device: torch.device, overrides: l
     other than torch runs an ONNX export of the checkpoint instead (a RuntimeModel, on the CPU); its config's
     eval.amp is then "off" (the runtime computes in the precision eval.amp chose; PyTorch's parts in fp32).
     """
-    path = Path(path)
-    payload = load_checkpoint(path)
     source = f"checkpoint '{path}'"
+    path = local_copy(path)  # an object-store URL (s3://.../best.pt) is read from its download
+    payload = load_checkpoint(path)
     config = inference_config(payload["config"], overrides, source=source, flags=flags)
     classes = [str(name) for name in payload["classes"]]
     # the layout training resolved on this kind of device (from train.amp), so validation numbers reproduce

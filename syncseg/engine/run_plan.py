@@ -15,6 +15,7 @@ Fresh or resumed:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import logging
@@ -33,6 +34,8 @@ from syncseg.engine.config import build_config, from_dict, load_config, parse_ov
 from syncseg.engine.distributed import DistInfo, broadcast_object, is_dist
 from syncseg.engine.trackers import require_trackers
 from syncseg.engine.atomic import TEMPORARY_SUFFIX
+from syncseg.engine.object_store import join, local_copy
+from syncseg.engine.remote_run_dir import RemoteRunDir
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +96,16 @@ class RunPlan:
     run_id: str
     overrides: dict[str, str]  # every KEY=VALUE this run was given, first launch and resumes (saved with it)
     lock: RunDirLock | None = None
+    remote: RemoteRunDir | None = None  # rank 0 of a run dir on object storage: its uploader and lease
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
+        """Wait for the last upload (a run dir on object storage), then give the run dir up."""
+        try:
+            if self.remote is not None:
+                self.remote.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 def _config_differences(file_config: Config, resumed: Config, limit: int = 3) -> list[str]:
@@ -165,55 +174,87 @@ def _on_checkpoint(overrides: dict[str, str], saved_config: dict[str, Any], path
     return build_config(overrides, source="command line", base=from_dict(saved_config, source=str(path)))
 
 
+@dataclass
+class _Decision:
+    """What rank 0 decided: the config, the run's command-line overrides so far, the checkpoint to resume
+    (None: fresh) and its payload, the held lock, and the run dir's store side."""
+
+    config: Config
+    overrides: dict[str, str]
+    path: Path | None
+    payload: dict[str, Any] | None
+    lock: RunDirLock
+    remote: RemoteRunDir | None
+
+
 def _decide(source: ConfigSource, resume: str | None, overrides: list[str], *, overwrite: bool,
-            elastic: bool) -> tuple[Config, dict[str, str], Path | None, dict[str, Any] | None, RunDirLock]:
-    """Rank 0: (config, the run's command-line overrides so far, checkpoint path or None, its payload,
-    the held lock)."""
+            elastic: bool) -> _Decision:
+    """Rank 0: lock (and for a URL lease and download) the run dir, then decide fresh or resume."""
     _require_config(source, resume)
     current = parse_overrides(overrides)
     file_config = source.load(overrides) if source else None
-    path = Path(resume) if resume not in (None, "auto") else None
+    path = local_copy(resume) if resume not in (None, "auto") else None
     payload = None
     if path is not None:
         payload = load_checkpoint(path, required_keys=RESUME_KEYS)
-        run_dir = _on_checkpoint(current, payload["config"], path).run_dir
+        where = _on_checkpoint(current, payload["config"], resume)
     else:
-        run_dir = file_config.run_dir
+        where = file_config
+    run_dir = where.run_dir
+    remote = RemoteRunDir(where.run_url, run_dir, timeout_s=where.log.timeout_s) if where.run_url else None
+    if remote is not None:
+        remote.check_writable()  # a missing bucket or bad credentials: refused before anything else
     lock = RunDirLock(run_dir).acquire()
     try:
-        last = run_dir / "last.pt"
-        if path is None and last.is_file() and (resume == "auto" or elastic):
-            path, payload = last, load_checkpoint(last, required_keys=RESUME_KEYS)
-        if path is None:
-            require_trackers(file_config.log.loggers)  # before --overwrite deletes anything
-            existing = [name for name in CHECKPOINT_NAMES if (run_dir / name).is_file()]
-            if existing and not overwrite:
-                held = peek_checkpoint(run_dir / existing[0]) or {}
-                raise ValueError(
-                    f"run dir '{run_dir}' already holds a run ({', '.join(existing)}, iteration "
-                    f"{held.get('iteration', '?')}); continue it with --resume auto, write elsewhere with "
-                    "output_dir=..., or replace it with --overwrite")
-            for name in existing:
-                (run_dir / name).unlink()
-                logger.warning("--overwrite: deleted %s", run_dir / name)
-            remove_orphaned_temporaries(run_dir)
-            return file_config, current, None, None, lock
-        config = _on_checkpoint(current, payload["config"], path)
-        run_overrides = {**dict(payload.get("overrides") or {}), **current}
-        if file_config is not None and "overrides" in payload:
-            # the file with every override this run was given must still give the saved config
-            from_file = source.load([f"{key}={value}" for key, value in run_overrides.items()])
-            if from_file != config:
-                raise ValueError(
-                    f"{source} has changed since '{path}' was saved: "
-                    f"{'; '.join(_config_differences(from_file, config))}; to change a setting of a resumed run "
-                    "give it as KEY=VALUE on the command line (or resume with --resume PATH alone)")
-        remove_orphaned_temporaries(run_dir)
-        require_trackers(config.log.loggers)
-        return config, run_overrides, path, payload, lock
+        if remote is not None:
+            remote.acquire_lease()
+            remote.pull()
+        found = _resume_or_fresh(source, resume, current=current, file_config=file_config, path=path,
+                                 payload=payload, overwrite=overwrite, elastic=elastic, run_dir=run_dir, remote=remote)
+        return _Decision(*found, lock=lock, remote=remote)
     except BaseException:
+        if remote is not None:
+            remote.release_lease()
         lock.release()
         raise
+
+
+def _resume_or_fresh(source: ConfigSource, resume: str | None, *, current: dict[str, str],
+                     file_config: Config | None, path: Path | None, payload: dict[str, Any] | None, overwrite: bool,
+                     elastic: bool, run_dir: Path, remote: RemoteRunDir | None) -> tuple[Config, dict[str, str], Path | None, dict[str, Any] | None]:
+    """(config, overrides, checkpoint path or None, payload), with the run dir held."""
+    last = run_dir / "last.pt"
+    if path is None and last.is_file() and (resume == "auto" or elastic):
+        path, payload = last, load_checkpoint(last, required_keys=RESUME_KEYS)
+    if path is None:
+        require_trackers(file_config.log.loggers)  # before --overwrite deletes anything
+        existing = [name for name in CHECKPOINT_NAMES if (run_dir / name).is_file()]
+        if existing and not overwrite:
+            held = peek_checkpoint(run_dir / existing[0]) or {}
+            raise ValueError(
+                f"run dir '{run_dir}' already holds a run ({', '.join(existing)}, iteration "
+                f"{held.get('iteration', '?')}); continue it with --resume auto, write elsewhere with "
+                "output_dir=..., or replace it with --overwrite")
+        for name in existing:
+            (run_dir / name).unlink()
+            logger.warning("--overwrite: deleted %s", run_dir / name)
+            if remote is not None:
+                remote.remove(name)
+        remove_orphaned_temporaries(run_dir)
+        return file_config, current, None, None
+    config = _on_checkpoint(current, payload["config"], path)
+    run_overrides = {**dict(payload.get("overrides") or {}), **current}
+    if file_config is not None and "overrides" in payload:
+        # the file with every override this run was given must still give the saved config
+        from_file = source.load([f"{key}={value}" for key, value in run_overrides.items()])
+        if from_file != config:
+            raise ValueError(
+                f"{source} has changed since '{path}' was saved: "
+                f"{'; '.join(_config_differences(from_file, config))}; to change a setting of a resumed run "
+                "give it as KEY=VALUE on the command line (or resume with --resume PATH alone)")
+    remove_orphaned_temporaries(run_dir)
+    require_trackers(config.log.loggers)
+    return config, run_overrides, path, payload
 
 
 def _best_so_far(run_dir: Path, payload: dict[str, Any]) -> float:
@@ -234,10 +275,15 @@ def resolved_config(given: ConfigGiven, resume: str | None, overrides: list[str]
     FileNotFoundError as train.py would."""
     source = _as_source(given)
     _require_config(source, resume)
-    path = Path(resume) if resume not in (None, "auto") else None
+    path = local_copy(resume) if resume not in (None, "auto") else None
     if path is None:
         config = source.load(overrides)
         last = config.run_dir / "last.pt"
+        if config.run_url and resume == "auto":  # the store holds the run; the staging folder may be stale
+            try:
+                last = local_copy(join(config.run_url, "last.pt"))
+            except FileNotFoundError:
+                last = Path("/nonexistent")
         if resume != "auto" or not last.is_file():
             return config, f"{source}" + (f" with {' '.join(overrides)}" if overrides else "")
         path = last
@@ -275,12 +321,16 @@ def plan_run(given: ConfigGiven, resume: str | None, overrides: list[str], *, di
     cannot see the checkpoint rank 0 resumes ("storage must be shared").
     """
     decision: dict[str, Any] = {}
-    lock = None
+    lock = remote = None
     if dist_info.is_main:
         try:
-            config, run_overrides, path, payload, lock = _decide(_as_source(given), resume, overrides,
-                                                                 overwrite=overwrite, elastic=dist_info.launch.elastic)
-            decision = {"config": to_dict(config), "overrides": run_overrides, "path": str(path) if path else None}
+            decided = _decide(_as_source(given), resume, overrides, overwrite=overwrite,
+                              elastic=dist_info.launch.elastic)
+            config, path, payload, lock, remote = (decided.config, decided.path, decided.payload, decided.lock,
+                                                   decided.remote)
+            decision = {"config": to_dict(config), "overrides": decided.overrides, "path": str(path) if path else None}
+            if remote is not None and path == config.run_dir / "last.pt":
+                decision["stored"] = join(remote.url, "last.pt")  # where a rank on another machine finds it
             if payload is not None:
                 payload["best_miou"] = _best_so_far(config.run_dir, payload)
                 decision.update(iteration=int(payload["iteration"]), run_id=payload.get("run_id", ""),
@@ -301,15 +351,15 @@ def plan_run(given: ConfigGiven, resume: str | None, overrides: list[str], *, di
         dist.all_gather_object(problems, resumed if isinstance(resumed, str) else None)
         failure = next((problem for problem in problems if problem), None)
         if failure:
-            if lock is not None:
-                lock.release()
+            RunPlan(config=config, resume=None, run_id="", overrides={}, lock=lock, remote=remote).release()
             raise ValueError(failure)
     if resumed is not None:
         resumed["best_miou"] = decision["best_miou"]
         resumed["path"] = decision["path"]  # for messages; a checkpoint's own keys are rebuilt at each save
         logger.info("resuming %s at iteration %d", decision["path"], decision["iteration"])
     run_id = decision.get("run_id") or decision["new_run_id"]
-    return RunPlan(config=config, resume=resumed, run_id=run_id, overrides=decision["overrides"], lock=lock)
+    return RunPlan(config=config, resume=resumed, run_id=run_id, overrides=decision["overrides"], lock=lock,
+                   remote=remote)
 
 
 def _load_on_this_rank(decision: dict[str, Any], config: Config, rank: int) -> dict[str, Any] | str | None:
@@ -320,10 +370,21 @@ def _load_on_this_rank(decision: dict[str, Any], config: Config, rank: int) -> d
         return (f"rank 0 resumes '{decision['path']}' at iteration {decision['iteration']}, but rank {rank} {problem}; "
                 f"the run dir ({config.run_dir}) must be on storage shared by all nodes")
 
+    def matches(payload: dict[str, Any]) -> bool:
+        return int(payload["iteration"]) == decision["iteration"] and payload.get("run_id", "") == decision["run_id"]
+
+    if "stored" in decision:  # a run dir on object storage: rank 0's staged copy when this machine has it, else
+        with contextlib.suppress(ValueError, FileNotFoundError):  # the store's (another machine's staging differs)
+            payload = load_checkpoint(decision["path"], required_keys=RESUME_KEYS)
+            if matches(payload):
+                return payload
+        path = decision["stored"]
+    else:
+        path = decision["path"]
     try:
-        payload = load_checkpoint(decision["path"], required_keys=RESUME_KEYS)
+        payload = load_checkpoint(local_copy(path), required_keys=RESUME_KEYS)
     except (ValueError, FileNotFoundError) as error:
         return mismatch(f"cannot read it ({error})")
-    if int(payload["iteration"]) != decision["iteration"] or payload.get("run_id", "") != decision["run_id"]:
+    if not matches(payload):
         return mismatch(f"finds a checkpoint of iteration {payload['iteration']} there")
     return payload

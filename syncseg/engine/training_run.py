@@ -1,7 +1,8 @@
 """One training run in this process, from a config to its result: what `train.py` and `syncseg.train` share.
 
 Plan the run dir (lock, fresh or resume: syncseg.engine.run_plan), build the parts and the Trainer, fit, and
-always close the data-loading workers and release the lock, whatever ends the run.
+always close the data-loading workers and release the lock, whatever ends the run. A run dir on object
+storage uploads after each checkpoint save (syncseg.engine.remote_run_dir) and waits for the last upload.
 """
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ class CompletedRun:
 
     result: TrainResult
     run_dir: Path
+    run_url: str = ""  # output_dir on object storage (run_dir is then its local staging folder)
+
+    @property
+    def location(self) -> str:
+        """Where the run's files are kept: the URL, or the local run dir."""
+        return self.run_url or str(self.run_dir)
 
     @property
     def iteration(self) -> int:
@@ -49,10 +56,16 @@ def run_training(given: ConfigGiven, overrides: list[str] | tuple[str, ...], *, 
     plan = plan_run(given, resume, list(overrides), dist_info=dist_info, overwrite=overwrite)
     trainer = None
     try:
+        if plan.remote is not None:
+            plan.remote.start()  # uploads in the background; plan.release() waits for the last one
         trainer = Trainer.from_config(plan.config, dist_info, resume=plan.resume, run_id=plan.run_id,
                                       overrides=plan.overrides, progress=progress)
+        if plan.remote is not None:
+            trainer.checkpointer.on_saved = plan.remote.request_upload
+            plan.remote.request_upload()  # config.yaml, and the logs a resume trimmed
         plan.resume = None  # the payload's tensors are in the model and optimizer now
-        return CompletedRun(result=trainer.fit(stop_at=stop_at), run_dir=plan.config.run_dir)
+        return CompletedRun(result=trainer.fit(stop_at=stop_at), run_dir=plan.config.run_dir,
+                            run_url=plan.config.run_url)
     finally:
         if trainer is not None:
             trainer.close()  # stops the data-loading workers, which ignore SIGINT/SIGTERM

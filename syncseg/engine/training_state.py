@@ -9,7 +9,7 @@ when another number of processes resumes). The file format is syncseg.engine.che
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -63,6 +63,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, dist_info: DistInfo) -> None:
         self.run_dir, self.dist = Path(run_dir), dist_info
+        self.on_saved: Callable[[], None] | None = None  # rank 0, after each save (a run dir's upload)
 
     def save(self, names: Iterable[str], state: Mapping[str, Any], *, best_metrics: Mapping[str, Any] | None,
              weights: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -91,6 +92,8 @@ class Checkpointer:
                 save_checkpoint(self.run_dir / name, weights_payload(shared, metrics=best_metrics)
                                 if name == "best.pt" else payload)
             logger.info("saved %s at iteration %d", " and ".join(names), state["iteration"])
+            if self.on_saved is not None:
+                self.on_saved()
         barrier()
 
     def restore_rng(self, rng: Mapping[str, Any]) -> bool:

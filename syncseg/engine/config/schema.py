@@ -22,6 +22,7 @@ from syncseg.data.constants import (IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, M
                                     RGB_CHANNELS, LabelTarget, height_width)
 from syncseg.data.registry import DATASET_KINDS
 from syncseg.engine.config.data_rules import check_data_for_its_kind
+from syncseg.engine.object_store import cache_root, is_url, local_name
 from syncseg.engine.registry import LOSS_TERMS
 from syncseg.layout import config_dir
 from syncseg.lazy_registry import Registry
@@ -255,7 +256,7 @@ class LogConfig:
 @dataclass(frozen=True)
 class Config:
     name: str = "default"
-    output_dir: str = ""  # "" = runs/<name>
+    output_dir: str = ""  # "" = runs/<name>; a URL (s3://bucket/runs/x) is staged locally and uploaded
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -265,7 +266,16 @@ class Config:
 
     @property
     def run_dir(self) -> Path:
+        """The local folder training writes: output_dir, runs/<name>, or for a URL its staging folder
+        (syncseg.engine.remote_run_dir)."""
+        if self.run_url:
+            return cache_root() / "runs" / local_name(self.run_url)
         return Path(self.output_dir or f"runs/{self.name}")
+
+    @property
+    def run_url(self) -> str:
+        """output_dir when it is an object-store URL, else ""."""
+        return self.output_dir.rstrip("/") if is_url(self.output_dir) else ""
 
 
 SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "eval": EvalConfig,
