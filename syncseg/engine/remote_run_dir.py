@@ -1,10 +1,11 @@
 """A run dir on object storage (output_dir=s3://bucket/runs/x): staged on local disk, uploaded behind training.
 
 Training writes into a local staging folder (cache_root()/runs/<url's name>; Config.run_dir) exactly as it
-writes a local run dir: the same atomic saves, lock and files. Rank 0 mirrors that folder to the URL in a
+writes a local run dir: the same atomic saves, lock and files. Rank 0 mirrors that folder to the URL from a
 thread of its own: after each checkpoint save a pass uploads every file that changed, last.pt and best.pt
 after the rest (so metrics.jsonl never lags the checkpoint a resume reads), each through a temporary key
-and a move (object_store.put_atomically). Saves that come faster than uploads coalesce into one pass: a
+and a move (object_store.put_atomically), the bytes sent by a low-priority process of its own
+(syncseg.engine.upload_worker: in a thread, the client's work took the GIL from the training). Saves that come faster than uploads coalesce into one pass: a
 step never waits for the store. At the end (and on a stop) the last pass is waited for, at most
 log.timeout_s; what it could not upload stays in the staging folder, and the warning says where.
 
@@ -22,10 +23,13 @@ against a second run in the same folder, not against that race.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_NAME = ".lease"
 PULLED = ("config.yaml", "metrics.jsonl", "best.pt", "last.pt")  # what a resume needs from the store
+IN_PROCESS = ("memory", "file", "local")  # filesystems uploaded to in this process (no network, no GIL-heavy client)
 LAST = ("best.pt", "last.pt")  # uploaded after every other file of a pass
 SKIPPED = (".lock", SOURCES)  # the staging folder's own bookkeeping (a file's or a folder's name)
 
@@ -64,6 +69,7 @@ class RemoteRunDir:
         self._idle.set()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._worker: subprocess.Popen | None = None  # the upload process, started by the uploader thread
         self.failure: str | None = None
 
     def _remote(self, relative: str) -> str:
@@ -173,7 +179,7 @@ class RemoteRunDir:
         for relative in changed:
             local = self.staging / relative
             status = local.stat()
-            put_atomically(self.fs, local, self._remote(relative))
+            self._put(local, self._remote(relative))
             self._uploaded[relative] = (status.st_size, status.st_mtime_ns)
             if relative in PULLED:  # a resume on this machine then knows its copy is the store's
                 self.fs.invalidate_cache()
@@ -181,6 +187,43 @@ class RemoteRunDir:
                 stamp.parent.mkdir(parents=True, exist_ok=True)
                 stamp.write_text(stamp_of(self.fs.info(self._remote(relative))))
         return len(changed)
+
+    def _put(self, local: Path, remote: str) -> None:
+        """put_atomically, in the upload process (syncseg.engine.upload_worker) for a store over the network."""
+        if self.url.split("://", 1)[0] in IN_PROCESS:
+            put_atomically(self.fs, local, remote)
+            return
+        if self._worker is None or self._worker.poll() is not None:
+            package_root = str(Path(__file__).resolve().parents[2])  # where `syncseg` imports from, for the child
+            path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+            # started by this (the uploader) thread: the process dies with it (PR_SET_PDEATHSIG)
+            self._worker = subprocess.Popen([sys.executable, "-m", "syncseg.engine.upload_worker", self.url],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                            env={**os.environ, "PYTHONPATH": path})
+        answer, failure = "", ""
+        try:
+            self._worker.stdin.write(json.dumps({"local": str(local), "remote": remote}) + "\n")
+            self._worker.stdin.flush()
+            answer = self._worker.stdout.readline()
+        except OSError as error:
+            failure = f": {error}"
+        if not answer:
+            raise OSError(f"the upload process ended (exit code {self._worker.poll()}) while uploading '{local}'"
+                          f"{failure}")
+        error_line = json.loads(answer)["error"]
+        if error_line:
+            raise OSError(error_line)
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            with contextlib.suppress(OSError):
+                self._worker.stdin.close()
+            try:
+                self._worker.wait(10)
+            except subprocess.TimeoutExpired:
+                self._worker.kill()
+                self._worker.wait()
+            self._worker = None
 
     def start(self) -> None:
         """Start the uploader (it also renews the lease)."""
@@ -191,6 +234,10 @@ class RemoteRunDir:
         """Ask for a pass soon; never blocks."""
         self._idle.clear()
         self._wake.set()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every requested pass has run (at most timeout_s); False when one is still running."""
+        return self._idle.wait(timeout_s)
 
     def _work(self) -> None:
         renew_every = lease_seconds() / 3
@@ -216,6 +263,7 @@ class RemoteRunDir:
             if not self._wake.is_set():
                 self._idle.set()
             if self._closing and not self._wake.is_set():
+                self._stop_worker()
                 return
 
     def close(self, *, release: bool = True) -> bool:
