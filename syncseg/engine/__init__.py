@@ -12,6 +12,9 @@
     devices.py       --gpus / --device parsing; precision (train.amp / eval.amp) and autocast
     distributed.py   topology (CPU, DataParallelWithCallback, torchrun / srun DDP) and collectives
     run_plan.py      the run dir: lock, fresh or resume, what every rank loads
+    object_store.py  fsspec URLs: atomic uploads, checkpoint and data-root downloads;  remote_run_dir.py  a run
+                     dir on object storage (staging, uploads, lease);  upload_worker.py  the upload process
+    trackers.py      MLflow and W&B beside metrics.jsonl (log.loggers)
     signals.py       stop requests agreed by all ranks
     samplers.py      resumable training batches and the training loader; the non-padding eval loader
     seeding.py       per-sample seeds, worker init, every RNG's state
