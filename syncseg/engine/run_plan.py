@@ -373,9 +373,9 @@ def _load_on_this_rank(decision: dict[str, Any], config: Config, rank: int) -> d
     def matches(payload: dict[str, Any]) -> bool:
         return int(payload["iteration"]) == decision["iteration"] and payload.get("run_id", "") == decision["run_id"]
 
-    if "stored" in decision:  # a run dir on object storage: rank 0's staged copy when this machine has it, else
-        with contextlib.suppress(ValueError, FileNotFoundError):  # the store's (another machine's staging differs)
-            payload = load_checkpoint(decision["path"], required_keys=RESUME_KEYS)
+    if "stored" in decision:  # a run dir on object storage: this machine's staged copy (rank 0's when they share
+        with contextlib.suppress(ValueError, FileNotFoundError):  # the cache) when it is that one, else the store's
+            payload = load_checkpoint(config.run_dir / "last.pt", required_keys=RESUME_KEYS)
             if matches(payload):
                 return payload
         path = decision["stored"]

@@ -130,27 +130,27 @@ def test_a_run_dir_on_s3_survives_a_kill_during_an_upload_and_resumes_on_another
 
 
 @pytest.mark.slow
-def test_storage_that_cannot_be_written_refuses_the_run_at_start_in_one_line(server, tmp_path):
-    """A bucket that does not exist, credentials the server does not know, an endpoint that does not answer:
-    train.py exits 2 with one line naming the URL and what failed, bounded in time, and writes nothing."""
+def test_storage_that_cannot_be_written_refuses_the_run_at_start_in_one_line(server, tmp_path, monkeypatch):
+    """A bucket that does not exist (train.py: exit 2, one line naming the URL and what failed, nothing
+    written), credentials the server does not know, an endpoint that does not answer (the same check, in
+    this process), each bounded in time."""
     done = train(server, "s3://no-such-bucket/runs/x", tmp_path / "cache", check=False)
     assert done.returncode == 2, done.stderr[-2000:]
     line = done.stderr.strip().splitlines()[-1]
     assert "s3://no-such-bucket/runs/x" in line and "bucket does not exist" in line
-    assert not (tmp_path / "cache" / "runs").exists() or not any((tmp_path / "cache" / "runs").rglob("*.pt"))
+    assert not list((tmp_path / "cache").rglob("*.pt"))
 
+    for key, value in server.items():
+        monkeypatch.setenv(key, value)
     with s3_server(tmp_path / "auth", authenticate=True) as strict:
-        done = train(strict, "s3://any-bucket/runs/x", tmp_path / "cache", check=False)
-    assert done.returncode == 2, done.stderr[-2000:]
-    line = done.stderr.strip().splitlines()[-1]
-    assert "s3://any-bucket/runs/x" in line and "access denied" in line
-
+        monkeypatch.setenv("AWS_ENDPOINT_URL", strict["AWS_ENDPOINT_URL"])
+        with pytest.raises(ValueError, match=r"output_dir 's3://any-bucket/runs/x' cannot be written: access denied"):
+            RemoteRunDir("s3://any-bucket/runs/x", tmp_path / "staging").check_writable()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     started = time.monotonic()
-    done = train({**server, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "s3://x/runs/x", tmp_path / "cache",
-                 check=False)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "s3://x/runs/x" in done.stderr.strip().splitlines()[-1]
-    assert time.monotonic() - started < 120
+    with pytest.raises(ValueError, match=r"output_dir 's3://x/runs/x' cannot be written: EndpointConnectionError"):
+        RemoteRunDir("s3://x/runs/x", tmp_path / "staging").check_writable()
+    assert time.monotonic() - started < 60
 
 
 def test_a_live_lease_refuses_a_second_run_and_a_released_one_is_taken(store, tmp_path):
@@ -304,3 +304,29 @@ def test_uploads_never_block_the_caller_and_close_waits_at_most_its_timeout(tmp_
     assert not remote.close()
     assert time.monotonic() - started < 5
     release.set()
+
+
+@pytest.mark.slow
+def test_two_ranks_on_two_machines_resume_from_the_store(server, tmp_path):
+    """Two DDP ranks with caches of their own (two machines, no shared disk): rank 0 stages and uploads, and on
+    resume rank 1, whose cache is new and empty, reads last.pt from the store."""
+    from tests.e2e.common import train_forked
+    from tests.gloo import free_port, torchrun_environment
+
+    bucket = f"ranks{time.monotonic_ns()}"
+    s3_client(server).create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/runs/ddp"
+    argv = ["--config", "demo.yaml", f"output_dir={url}", *RUN, "data.num_workers=0", "--resume", "auto"]
+
+    def environments(caches):
+        return [{**env, **server, "OMP_NUM_THREADS": "1", "SYNCSEG_CACHE_DIR": str(cache), "SYNCSEG_LEASE_S": "4"}
+                for env, cache in zip(torchrun_environment(2, free_port()), caches)]
+
+    train_forked(tmp_path / "first", [*argv, "--stop-at", "2"], environments([tmp_path / "a0", tmp_path / "a1"]))
+    assert stored_iteration(server, bucket, "runs/ddp/last.pt") == 2
+    assert not list((tmp_path / "a1").rglob("*.pt"))  # rank 1 writes nothing
+    train_forked(tmp_path / "second", [*argv, "--stop-at", "4"], environments([tmp_path / "a0", tmp_path / "b1"]))
+    downloaded = list((tmp_path / "b1" / "downloads").glob("*/last.pt"))  # rank 1's copy of the store's last.pt
+    assert len(downloaded) == 1 and torch.load(downloaded[0], weights_only=True)["iteration"] == 2
+    assert "resuming" in (tmp_path / "second.rank0.log").read_text()
+    assert stored_iteration(server, bucket, "runs/ddp/last.pt") == 4
