@@ -17,6 +17,7 @@ from syncseg.engine.config.io import (
     save_config,
     to_dict,
 )
+from syncseg.engine.config.fields import Limit, SquareIfOne
 from syncseg.engine.config.schema import (
     CONFIG_DIR,
     SECTIONS,
@@ -24,11 +25,9 @@ from syncseg.engine.config.schema import (
     DataConfig,
     DistConfig,
     EvalConfig,
-    Limit,
     LogConfig,
     ModelConfig,
     Precision,
-    SquareIfOne,
     TrainConfig,
     all_keys,
     choices,

@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 
 from syncseg.engine.config.mappings import MAPPING_PARSERS, MAPPING_TYPE_NAMES, marker, plain
-from syncseg.engine.config.schema import (CONFIG_DIR, SECTIONS, Config, DataConfig, SquareIfOne, all_keys, field_types,
-                                          validate)
+from syncseg.engine.config.fields import SquareIfOne
+from syncseg.engine.config.schema import (CONFIG_DIR, SECTIONS, Config, DataConfig, all_keys, field_types, validate)
 from syncseg.engine.atomic import write_atomically
 
 logger = logging.getLogger(__name__)

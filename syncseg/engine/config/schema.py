@@ -22,10 +22,11 @@ from syncseg.data.constants import (IGNORE_INDEX, IMAGENET_MEAN, IMAGENET_STD, M
                                     RGB_CHANNELS, LabelTarget, height_width)
 from syncseg.data.registry import DATASET_KINDS
 from syncseg.engine.config.data_rules import check_data_for_its_kind
+from syncseg.engine.config.fields import (ColourToClass, Limit, PixelSize, ValueToClass, WeightedTerms,
+                                          limited as _limited, registered as _registered)
 from syncseg.engine.object_store import cache_root, is_url, local_name
 from syncseg.engine.registry import LOSS_TERMS
 from syncseg.layout import config_dir
-from syncseg.lazy_registry import Registry
 from syncseg.model.registry import BACKBONES, HEADS, NORMS
 
 CONFIG_DIR = config_dir()
@@ -34,63 +35,6 @@ CONFIG_DIR = config_dir()
 # (syncseg.engine.devices.resolve_precision: bf16 where native, fp16 + GradScaler on other GPUs, else fp32);
 # off: full fp32 (no TF32 on CUDA); tf32: fp32 tensors with TF32 matmuls and convolutions on Ampere and later
 Precision = Literal["auto", "off", "tf32", "fp16", "bf16"]
-
-
-@dataclass(frozen=True)
-class Limit:
-    """Bounds for a number, or for every element of a tuple of numbers."""
-
-    ge: float | None = None  # >=
-    gt: float | None = None  # >
-    le: float | None = None  # <=
-    lt: float | None = None  # <
-
-    def violated_by(self, value: float) -> bool:
-        return ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
-                or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt))
-
-    def describe(self) -> str:
-        parts = [f">= {self.ge:g}" if self.ge is not None else "", f"> {self.gt:g}" if self.gt is not None else "",
-                 f"<= {self.le:g}" if self.le is not None else "", f"< {self.lt:g}" if self.lt is not None else ""]
-        return " and ".join(part for part in parts if part)
-
-
-def _limited(default: Any, limit: Limit) -> Any:
-    return field(default=default, metadata={"limit": limit})
-
-
-def _registered(default: str, registry: Registry) -> Any:
-    """A field whose values are the names in `registry` (and its families, e.g. model.backbone=timm:<name>)."""
-    return field(default=default, metadata={"registry": registry})
-
-
-@dataclass(frozen=True)
-class SquareIfOne:
-    """Marks a (height, width) field: one integer (in a file, on the command line, in an old
-    checkpoint's config) means a square, so `data.crop_size=513` is (513, 513)."""
-
-
-PixelSize = Annotated[tuple[int, int], SquareIfOne()]  # (height, width) in pixels
-
-
-@dataclass(frozen=True)
-class ValueToClass:
-    """Marks data.label_map: raw mask value -> class index or "ignore". A mapping in YAML ({255: 1}),
-    `255:1,128:ignore` on the command line; held as ((raw, target), ...) sorted by raw value."""
-
-
-@dataclass(frozen=True)
-class ColourToClass:
-    """Marks data.class_colors: mask colour -> class index or "ignore". A mapping in YAML whose keys are
-    "R,G,B" or "#rrggbb" ({"0,0,0": 0, "#ff0000": 1}), `#000000:0,#ff0000:1` on the command line; held
-    as (((R, G, B), target), ...) sorted by colour."""
-
-
-@dataclass(frozen=True)
-class WeightedTerms:
-    """Marks train.loss: loss name -> weight, in order. A list of one-key mappings in YAML
-    ([ce: 1.0, dice: 1.0]; a mapping or bare names, weight 1, work too), `ce:1,dice:1` on the command
-    line; held as ((name, weight), ...)."""
 
 
 LabelMap = Annotated[tuple[tuple[int, LabelTarget], ...], ValueToClass()]
