@@ -114,4 +114,5 @@ for _name, _label_ids in (("coco", True), ("labelme", False), ("cvat", False), (
                                       any_image_format=True, classes_from_files=True, label_ids=_label_ids))
 register_dataset_kind(DatasetKind("cvat_mask", "syncseg.data.annotations.cvat_mask:build_cvat_mask",
                                   reads_mask_files=False, any_image_format=True, classes_from_files=True))
-
+# georeferenced scenes (syncseg.data.raster: rasterio and fiona, the geo extra)
+register_dataset_kind(DatasetKind("raster", "syncseg.data.raster.dataset:build_raster", any_image_format=True))

@@ -123,6 +123,15 @@ class RandomScaleCrop(DualTransform):
         return ("crop_size", "scale_range", "fill", "fill_mask")
 
 
+def window_starts(length: int, window: int, stride: int) -> list[int]:
+    """Start offsets of windows of size min(window, length) covering [0, length) with the given stride;
+    the last window is shifted back to end at the border, so no window extends past the image."""
+    if window >= length:
+        return [0]
+    count = (length - window + stride - 1) // stride + 1
+    return [min(index * stride, length - window) for index in range(count)]
+
+
 def build_train_augmentation(
     crop_size: int | tuple[int, int],
     scale_range: tuple[float, float] = (0.5, 2.0),

@@ -128,6 +128,10 @@ class Predictor:
             masks += [logits.argmax(0).numpy() for logits in self._logits(group)]
         return masks
 
+    def predict_logits_batch(self, images: Sequence[np.ndarray]) -> torch.Tensor:
+        """Logits N x num_classes x H x W (float32, on the CPU) of H x W x C arrays of one size, in one batch."""
+        return self._logits([self._pixels(image) for image in images])
+
     def _logits(self, group: list[np.ndarray]) -> torch.Tensor:
         """Logits N x num_classes x H x W (float32, CPU) of images of one size (H x W x C arrays)."""
         from syncseg.engine.devices import resolve_precision

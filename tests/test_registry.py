@@ -51,7 +51,7 @@ def test_load_object_imports_a_module_attribute_only_when_asked():
 
 @pytest.mark.parametrize("override,message", [
     ("data.dataset=cityscape", "data.dataset='cityscape' is not one of voc, cityscapes, ade20k, synthetic, folder, coco, "
-                               "labelme, cvat, yolo_seg, label_studio, cvat_mask; did you mean 'cityscapes'?"),
+                               "labelme, cvat, yolo_seg, label_studio, cvat_mask, raster; did you mean 'cityscapes'?"),
     ("model.arch=deeplabv3+", "model.arch='deeplabv3+' is not one of deeplabv3, deeplabv3plus; did you mean"),
     ("model.norm=syncbnn", "did you mean 'syncbn'?"),
     ("model.backbone=resnet", "or timm:<name> (a timm encoder); did you mean"),

@@ -32,6 +32,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # The engine is imported after the arguments are parsed, so that --help answers at once.
 
@@ -40,6 +41,8 @@ logger = logging.getLogger("predict")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 LARGE_IMAGE_FACTOR = 2  # warn when the long side predicted at exceeds this many training crops
 NAMED_FAILURES = 3  # the summary names this many of the images that could not be read
+DEFAULT_TILE = 512  # scene mode's tile
+RASTER_EXTENSIONS = (".tif", ".tiff", ".vrt", ".img", ".jp2")
 
 
 @dataclass
@@ -79,6 +82,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--format", default="", metavar="NAMES",
                         help="also write the masks as pre-annotations a labelling tool imports: coco, labelme, cvat, "
                              "yolo_seg (comma-separated), under <output>/<format>/ (docs/own-data.md)")
+    scenes = parser.add_argument_group("whole georeferenced scenes (GeoTIFF in, GeoTIFF out; the geo extra)")
+    scenes.add_argument("--tile", type=int, metavar="PIXELS",
+                        help="predict --input rasters as scenes, in tiles of this many pixels a side (default for a "
+                             "checkpoint trained on data.dataset=raster: %d); writes <name>_classes.tif with the "
+                             "input's CRS, transform and nodata" % DEFAULT_TILE)
+    scenes.add_argument("--overlap", type=int, metavar="PIXELS",
+                        help="pixels that neighbouring tiles share, blended by edge weights (default: --tile / 8)")
+    scenes.add_argument("--probabilities", action="store_true",
+                        help="also write <name>_probabilities.tif: one band per class, in percent")
+    scenes.add_argument("--vectors", action="store_true",
+                        help="also write <name>_classes.geojson: the polygons of each class (EPSG:4326)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides, e.g. eval.window_size=769 eval.stride=512 data.base_size=1024")
     return parser.parse_intermixed_args(argv)
@@ -158,6 +172,8 @@ def run(args: argparse.Namespace) -> Outcome:
                                          "eval.amp": args.amp}, runtime=choice)
     config, classes = loaded.config, loaded.classes
     predictor = Predictor.from_loaded(loaded)
+    if args.tile is not None or config.data.dataset == "raster":
+        return run_scenes(args, predictor, output)
     # the kind's colours, without opening the dataset (its files may not exist here)
     palette = dataset_kind(config.data.dataset).palette_for(len(classes))
     base_size = config.data.base_size
@@ -226,6 +242,50 @@ def run(args: argparse.Namespace) -> Outcome:
             save_png(legend_image(classes, palette, width=max(240, 120 * min(len(classes), 4))),
                      output / "legend.png")
     return outcome
+
+
+def run_scenes(args: argparse.Namespace, predictor: Any, output: Path) -> Outcome:
+    """Predict every raster of --input as a whole scene (syncseg.engine.scene_predict): tiles, blended, GeoTIFF out."""
+    import dataclasses
+
+    from syncseg.data.raster.scenes import SceneReader, check_scene_format, read_scene
+    from syncseg.engine.cli import writing
+    from syncseg.engine.scene_predict import check_tiling, predict_scene
+
+    config = predictor.config
+    if args.mode is None and config.eval.mode != "whole":  # the tiles are the windows
+        predictor = dataclasses.replace(predictor, config=dataclasses.replace(
+            config, eval=dataclasses.replace(config.eval, mode="whole")))
+    tile = DEFAULT_TILE if args.tile is None else args.tile
+    overlap = tile // 8 if args.overlap is None else args.overlap
+    path = Path(args.input)
+    rasters = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in RASTER_EXTENSIONS) if path.is_dir() else []
+    if not rasters:
+        raise FileNotFoundError(f"--input '{path}' is neither a raster file nor a folder holding rasters "
+                                f"({', '.join(RASTER_EXTENSIONS)})")
+    readers = []
+    for raster in rasters:  # every header first: a bad one is named before any scene is predicted
+        scene = read_scene(raster)
+        check_scene_format(scene, channels=config.data.in_channels, max_value=config.data.max_value,
+                           raster_scale=config.data.raster_scale)
+        check_tiling(scene, tile, overlap)
+        readers.append(SceneReader(scene, max_value=config.data.max_value, raster_scale=config.data.raster_scale))
+    for reader in readers:
+        scene = reader.scene
+        with writing("the scene's prediction under", output):
+            result = predict_scene(reader, predictor.predict_logits_batch, num_classes=len(predictor.classes),
+                                   class_names=predictor.classes, output=output, tile=tile, overlap=overlap,
+                                   batch_size=args.batch_size, probabilities=args.probabilities,
+                                   vectors=args.vectors)
+        megapixels = scene.width * scene.height / 1e6
+        shares = ", ".join(f"{name} {count / max(1, result.counts.sum()):.1%}"
+                           for name, count in zip(predictor.classes, result.counts) if count)
+        logger.info("%s (%dx%d, %s): %d tiles of %d px (overlap %d) in %.1f s, %.2f megapixels/s; %s; wrote %s",
+                    scene.path, scene.width, scene.height, scene.describe_crs(), result.tiles, tile, overlap,
+                    result.seconds, megapixels / max(result.seconds, 1e-9), shares or "no valid pixel",
+                    ", ".join(str(p) for p in result.written()))
+    return Outcome(num_images=len(readers))
 
 
 def too_large(long_side: int, *, base_size: int, crop_size: int, mode: str) -> bool:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from syncseg.data.transforms import height_width, normalize_batch
+from syncseg.data.transforms import height_width, normalize_batch, window_starts
 from syncseg.engine.devices import autocast_for
 from syncseg.model.deeplab import DeepLab
 
@@ -38,15 +38,6 @@ def _forward(model: nn.Module, images: torch.Tensor, num_classes: int) -> torch.
     if output.shape[-2:] != images.shape[-2:]:
         output = F.interpolate(output, size=images.shape[-2:], mode="bilinear", align_corners=False)
     return output
-
-
-def window_starts(length: int, window: int, stride: int) -> list[int]:
-    """Start offsets of windows of size min(window, length) covering [0, length) with the given stride;
-    the last window is shifted back to end at the border, so no window extends past the image."""
-    if window >= length:
-        return [0]
-    count = (length - window + stride - 1) // stride + 1
-    return [min(index * stride, length - window) for index in range(count)]
 
 
 def _slide(model: nn.Module, variants: list[torch.Tensor], *, num_classes: int, window_size: tuple[int, int],

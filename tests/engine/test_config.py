@@ -28,7 +28,7 @@ def write(path, content: dict) -> str:
 # ------------------------------------------------------------------------------------ one source
 def test_choices_are_the_registries_names_or_the_literals():
     assert choices("data.dataset") == ("voc", "cityscapes", "ade20k", "synthetic", "folder", "coco", "labelme", "cvat",
-                                       "yolo_seg", "label_studio", "cvat_mask")
+                                       "yolo_seg", "label_studio", "cvat_mask", "raster")
     assert choices("model.arch") == ("deeplabv3", "deeplabv3plus") and choices("model.output_stride") == (8, 16, 32)
     with pytest.raises(KeyError, match="train.iters"):
         choices("train.iters")
@@ -384,7 +384,7 @@ def test_images_beyond_8_bit_rgb_are_folder_datasets_with_a_mean_and_std_per_cha
         load_config(None, [*TWO_CLASS_FOLDER, "data.in_channels=1", "data.mean=0.5", "data.std=0.2,0.2"])
     with pytest.raises(ValueError, match="data.in_channels=1 and data.max_value=255: images other than 8-bit RGB are "
                                          "read by dataset 'folder', 'coco', 'labelme', 'cvat', 'yolo_seg', 'label_studio', "
-                                         "'cvat_mask'; "
+                                         "'cvat_mask', 'raster'; "
                                          "dataset 'synthetic' has 8-bit RGB images"):
         load_config(None, ["data.in_channels=1", "data.mean=0.5", "data.std=0.2"])
     with pytest.raises(ValueError, match="dataset 'voc' has 8-bit RGB images"):

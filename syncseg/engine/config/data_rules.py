@@ -13,6 +13,7 @@ from syncseg.data.registry import DATASET_KINDS, DatasetKind, dataset_kind
 def check_data_for_its_kind(data: Any, source: str) -> None:
     """ValueError when the `data` section (a DataConfig) asks of its data.dataset kind what the kind does not do."""
     kind = dataset_kind(data.dataset)
+    _check_raster_keys(data, source)
     if kind.classes_from_files:
         _check_annotation_kind(data, kind, source)
         _check_image_format(data, source)
@@ -23,6 +24,29 @@ def check_data_for_its_kind(data: Any, source: str) -> None:
                          f"data.num_classes={data.num_classes}")
     _check_mask_encodings(data, source)
     _check_image_format(data, source)
+
+
+def _check_raster_keys(data: Any, source: str) -> None:
+    """data.scenes and its companions are the raster kind's, which needs scenes and their labels."""
+    used = [key for key, value in (("data.scenes", data.scenes), ("data.labels", data.labels),
+                                   ("data.val_region", data.val_region), ("data.raster_scale", data.raster_scale))
+            if value]
+    if data.dataset != "raster":
+        if used:
+            raise ValueError(f"{source}: {used[0]} is set but it is read by dataset 'raster' (georeferenced scenes), "
+                             f"not '{data.dataset}'; set data.dataset=raster or remove {used[0]}")
+        return
+    for key, value in (("data.scenes", data.scenes), ("data.labels", data.labels)):
+        if not value:
+            raise ValueError(f"{source}: dataset 'raster' needs {key}: the image rasters (data.scenes) and one label "
+                             "raster or vector file per scene or for all (data.labels), paths under data.root")
+    if len(data.labels) not in (1, len(data.scenes)):
+        raise ValueError(f"{source}: data.labels has {len(data.labels)} entries for {len(data.scenes)} data.scenes; "
+                         "expected one per scene, or one for all")
+    if data.class_colors or data.reduce_zero_label:
+        key = "data.class_colors" if data.class_colors else "data.reduce_zero_label"
+        raise ValueError(f"{source}: {key} is set, but dataset 'raster' reads label rasters of class ids (data.label_map "
+                         "maps other values) or vector files (data.label_attribute); remove it")
 
 
 def _check_class_count(data: Any, kind: DatasetKind, source: str) -> None:

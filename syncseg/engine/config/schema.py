@@ -93,7 +93,17 @@ class DataConfig:
     synthetic_image_size: int = _limited(128, Limit(ge=16))  # smaller leaves shapes of a few pixels
     synthetic_train_size: int = _limited(2000, _POSITIVE)  # number of training images
     synthetic_val_size: int = _limited(100, _POSITIVE)
-    seed: int = 0  # synthetic generator seed (train and val use disjoint streams)
+    # georeferenced scenes (data.dataset=raster, syncseg/data/raster): image rasters and their label rasters or
+    # vector files (one per scene, or one for all) under data.root, the vector attribute that is the class,
+    # the validation region (a vector file or "minx,miny,maxx,maxy"; "" = each scene's bottom fifth), the random
+    # training chips per epoch, and the factor that takes a float raster's values to 0..data.max_value
+    scenes: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()
+    label_attribute: str = "class"
+    val_region: str = ""
+    chips_per_epoch: int = _limited(2000, _POSITIVE)
+    raster_scale: float = _limited(0.0, _NON_NEGATIVE)
+    seed: int = 0  # synthetic generator seed (train and val use disjoint streams); raster: the chips' draws
 
 
 @dataclass(frozen=True)
