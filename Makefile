@@ -47,7 +47,7 @@ test-fast: $(STAMP)
 
 # Every benchmark (each prints its table and writes JSON under benchmarks/results/), then one summary table of
 # every target beside its A/A control. The allocator settings each runs with: benchmarks/README.md.
-BENCHMARKS := bench_syncbn bench_model bench_data bench_eval bench_train bench_stop bench_optim bench_host_syncs bench_vs_plain bench_eval_vs_plain bench_runtimes bench_tracking
+BENCHMARKS := bench_syncbn bench_model bench_data bench_eval bench_train bench_stop bench_optim bench_host_syncs bench_vs_plain bench_eval_vs_plain bench_runtimes bench_tracking bench_scene_predict
 bench: $(STAMP)
 	for name in $(BENCHMARKS); do $(PY) -m benchmarks.$$name || exit 1; done
 	$(PY) -m benchmarks.summary

@@ -13,7 +13,8 @@ from pathlib import Path
 from benchmarks.common import RESULTS, format_spread
 
 ORDER = ("bench_syncbn", "bench_model", "bench_data", "bench_eval", "bench_train", "bench_stop", "bench_optim",
-         "bench_vs_plain", "bench_eval_vs_plain", "bench_runtimes", "bench_tracking")
+         "bench_vs_plain", "bench_eval_vs_plain", "bench_runtimes", "bench_tracking",
+         "bench_scene_predict")
 
 
 def main(argv: list[str] | None = None) -> int:

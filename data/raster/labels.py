@@ -109,6 +109,12 @@ def _class_index(value: Any, path: str, fid: Any, attribute: str, class_names: S
     return index
 
 
+def vector_crs(path: str) -> str:
+    """The CRS of a vector file, as text ("" without one)."""
+    with _fiona().open(path) as layer:
+        return layer.crs.to_string() if layer.crs else ""
+
+
 class VectorLabels:
     """Polygons drawn into windows of one scene; each window draws only the polygons whose bounds meet it."""
 

@@ -40,7 +40,11 @@ def rasterio_module() -> Any:
     try:
         import rasterio
     except ImportError:
-        raise RasterError(f"georeferenced rasters are read with rasterio, which is not installed: {GEO_EXTRA}") from None
+        raise RasterError(f"georeferenced rasters are read with rasterio, which is not installed: {GEO_EXTRA}") \
+            from None
+    # GDAL's own messages ("GDAL signalled an error: ... TIFFReadDirectory ...") come through this logger at INFO;
+    # the one line naming the file says it instead (as syncseg.data.images quiets PIL and tifffile)
+    logging.getLogger("rasterio._env").setLevel(logging.WARNING)
     return rasterio
 
 

@@ -51,6 +51,7 @@ class Outcome:
 
     num_images: int
     skipped: list[Path] = field(default_factory=list)
+    written: str = "masks and overlays"  # what was written for each image
 
     @property
     def num_written(self) -> int:
@@ -85,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     scenes = parser.add_argument_group("whole georeferenced scenes (GeoTIFF in, GeoTIFF out; the geo extra)")
     scenes.add_argument("--tile", type=int, metavar="PIXELS",
                         help="predict --input rasters as scenes, in tiles of this many pixels a side (default for a "
-                             "checkpoint trained on data.dataset=raster: %d); writes <name>_classes.tif with the "
+                             "checkpoint trained on data.dataset=raster: %d, or a smaller scene's short side); writes "
+                             "<name>_classes.tif with the "
                              "input's CRS, transform and nodata" % DEFAULT_TILE)
     scenes.add_argument("--overlap", type=int, metavar="PIXELS",
                         help="pixels that neighbouring tiles share, blended by edge weights (default: --tile / 8)")
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(outcome.skipped)} of {outcome.num_images} image(s) could not be read and were skipped "
                 f"({names}{f' and {more} more' if more > 0 else ''}; the warnings above say why); wrote masks "
                 f"and overlays for the other {outcome.num_written} to {args.output}")
-        logger.info("wrote masks and overlays for %d image(s) to %s", outcome.num_written, args.output)
+        logger.info("wrote %s for %d image(s) to %s", outcome.written, outcome.num_written, args.output)
         return 0
 
     return run_command("syncseg-predict", body)
@@ -256,8 +258,6 @@ def run_scenes(args: argparse.Namespace, predictor: Any, output: Path) -> Outcom
     if args.mode is None and config.eval.mode != "whole":  # the tiles are the windows
         predictor = dataclasses.replace(predictor, config=dataclasses.replace(
             config, eval=dataclasses.replace(config.eval, mode="whole")))
-    tile = DEFAULT_TILE if args.tile is None else args.tile
-    overlap = tile // 8 if args.overlap is None else args.overlap
     path = Path(args.input)
     rasters = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in RASTER_EXTENSIONS) if path.is_dir() else []
@@ -269,9 +269,13 @@ def run_scenes(args: argparse.Namespace, predictor: Any, output: Path) -> Outcom
         scene = read_scene(raster)
         check_scene_format(scene, channels=config.data.in_channels, max_value=config.data.max_value,
                            raster_scale=config.data.raster_scale)
+        # without --tile, a scene smaller than the default tile is one tile
+        tile = min(DEFAULT_TILE, scene.width, scene.height) if args.tile is None else args.tile
+        overlap = tile // 8 if args.overlap is None else args.overlap
         check_tiling(scene, tile, overlap)
-        readers.append(SceneReader(scene, max_value=config.data.max_value, raster_scale=config.data.raster_scale))
-    for reader in readers:
+        readers.append((SceneReader(scene, max_value=config.data.max_value, raster_scale=config.data.raster_scale),
+                        tile, overlap))
+    for reader, tile, overlap in readers:
         scene = reader.scene
         with writing("the scene's prediction under", output):
             result = predict_scene(reader, predictor.predict_logits_batch, num_classes=len(predictor.classes),
@@ -285,7 +289,7 @@ def run_scenes(args: argparse.Namespace, predictor: Any, output: Path) -> Outcom
                     scene.path, scene.width, scene.height, scene.describe_crs(), result.tiles, tile, overlap,
                     result.seconds, megapixels / max(result.seconds, 1e-9), shares or "no valid pixel",
                     ", ".join(str(p) for p in result.written()))
-    return Outcome(num_images=len(readers))
+    return Outcome(num_images=len(readers), written="the classes' GeoTIFF (and what the flags ask)")
 
 
 def too_large(long_side: int, *, base_size: int, crop_size: int, mode: str) -> bool:

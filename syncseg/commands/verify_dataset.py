@@ -330,6 +330,15 @@ def verify(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides, normalization_unknown=True)  # it measures mean and std
     data_cfg = config.data
+    if data_cfg.dataset == "raster":  # scenes, not samples: syncseg.data.raster.inspect
+        from syncseg.data.raster.inspect import describe
+
+        lines, report = describe(data_cfg)
+        print("\n".join(lines))
+        if args.output:
+            with writing("statistics", args.output):
+                write_atomically(Path(args.output), lambda file: file.write(json.dumps(report).encode()), what="statistics")
+        return 1 if any("BAD:" in line for line in lines) else 0
     splits = [s for s in args.splits.split(",") if s] or list(dict.fromkeys([data_cfg.train_split,
                                                                                 data_cfg.val_split]))
     datasets = {}

