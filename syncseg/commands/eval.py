@@ -221,10 +221,11 @@ def print_config(args: argparse.Namespace) -> int:
     from syncseg.engine.config import config_yaml, inference_config
     from syncseg.engine.object_store import local_copy
 
-    if not local_copy(args.checkpoint).is_file():
+    path = local_copy(args.checkpoint)  # once: for a URL each call asks the store
+    if not path.is_file():
         raise FileNotFoundError(f"checkpoint '{args.checkpoint}' not found (expected a .pt file written by "
                                 "train.py)")
-    saved = peek_checkpoint(local_copy(args.checkpoint))
+    saved = peek_checkpoint(path)
     if not saved or "config" not in saved:
         raise ValueError(f"checkpoint '{args.checkpoint}' could not be read (truncated, corrupt, or not a "
                          "syncseg checkpoint)")
