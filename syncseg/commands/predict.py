@@ -255,6 +255,10 @@ def run_scenes(args: argparse.Namespace, predictor: Any, output: Path) -> Outcom
     from syncseg.engine.scene_predict import check_tiling, predict_scene
 
     config = predictor.config
+    unused = [flag for flag, value in (("--format", args.format), ("--legend", args.legend)) if value]
+    if unused:
+        logger.warning("%s: not for scenes, which are written as GeoTIFF (--probabilities and --vectors add to it)",
+                       " and ".join(unused))
     if args.mode is None and config.eval.mode != "whole":  # the tiles are the windows
         predictor = dataclasses.replace(predictor, config=dataclasses.replace(
             config, eval=dataclasses.replace(config.eval, mode="whole")))
