@@ -32,34 +32,20 @@ from benchmarks.common import balanced_orders, config_parser, environment, judge
 from benchmarks.common import quiet_gc, summary, write_record
 
 
+def _idle() -> None:
+    """In a server's child process: run only when the CPU is otherwise idle (SCHED_IDLE)."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 @contextlib.contextmanager
 def _niced_servers(folder: Path):
-    """moto's S3 server and an mlflow server on loopback, at nice 19; yields (S3 environment, MLflow URI)."""
+    """moto's S3 server and an mlflow server on loopback, at SCHED_IDLE; yields (S3 environment, MLflow URI)."""
     from tests.object_store import s3_client, s3_server
     from tests.trackers import mlflow_server
 
-    with _nice_children(), s3_server(folder / "s3") as env, mlflow_server(folder / "mlflow") as uri:
+    with s3_server(folder / "s3", preexec_fn=_idle) as env, mlflow_server(folder / "mlflow", preexec_fn=_idle) as uri:
         s3_client(env).create_bucket(Bucket="bench")
         yield env, uri
-
-
-@contextlib.contextmanager
-def _nice_children():
-    """Child processes started inside run at nice 19 (subprocess's preexec_fn is not used by the helpers, so
-    the niceness is inherited: raised here, restored after)."""
-    import subprocess
-
-    original = subprocess.Popen.__init__
-
-    def niced(self, *args, **kwargs):
-        kwargs.setdefault("preexec_fn", lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)))
-        original(self, *args, **kwargs)
-
-    subprocess.Popen.__init__ = niced
-    try:
-        yield
-    finally:
-        subprocess.Popen.__init__ = original
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [judge("step with MLflow + s3:// run dir / local TensorBoard only", ratio, target=1.03, control=control)]
     print_targets(targets)
     write_record("bench_tracking", args.output, {
-        "environment": environment(servers="moto_server and mlflow server on loopback at nice 19"),
+        "environment": environment(servers="moto_server and mlflow server on loopback at SCHED_IDLE"),
         "config": args.config, "overrides": args.overrides, "steps": steps, "last_pt_mib": last_mb,
         "step_ms": step_ms, "upload_drain_s": summary(drained), "ratio": ratio, "control": control, "targets": targets,
     })

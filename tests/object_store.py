@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from tests.trackers import free_port
+from tests.servers import free_port, serve
 
 SERVER_START_S = 60  # moto_server answers in about 2 s on the 2-core VM
 
 
 @contextlib.contextmanager
-def s3_server(folder: Path, *, authenticate: bool = False) -> Iterator[dict[str, str]]:
+def s3_server(folder: Path, *, authenticate: bool = False,
+              preexec_fn: Callable[[], None] | None = None) -> Iterator[dict[str, str]]:
     """A moto S3 server; yields the environment a client needs (endpoint, region, test credentials). With
     `authenticate`, the server checks credentials (moto's IAM enforcement): the test keys are then unknown to it."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -25,33 +23,12 @@ def s3_server(folder: Path, *, authenticate: bool = False) -> Iterator[dict[str,
     env = {**os.environ}
     if authenticate:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
-    log = (folder / f"moto-{port}.log").open("w")
-    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"moto_server exited ({server.returncode}): {log.name}")
-            try:
-                with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not answer within {SERVER_START_S} s") from None
-                time.sleep(0.2)
+    with serve([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+               f"{endpoint}/moto-api/", log=folder / f"moto-{port}.log", start_s=SERVER_START_S, env=env,
+               preexec_fn=preexec_fn):
         yield {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, 15)
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-            server.wait()
-        log.close()
 
 
 def s3_client(env: dict[str, str]):

@@ -4,61 +4,31 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import struct
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from tests.servers import free_port, serve
 
 SERVER_START_S = 90  # what `mlflow server` may take to answer /health (about 6 s on the 2-core VM)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
-def mlflow_server(folder: Path) -> Iterator[str]:
+def mlflow_server(folder: Path, *, preexec_fn: Callable[[], None] | None = None) -> Iterator[str]:
     """`mlflow server` with a SQLite store and artifacts in `folder`, on a free loopback port; yields its URI and
-    stops it (SIGTERM, then SIGKILL after 10 s)."""
+    stops it (tests.servers.serve)."""
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     command = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
                "--backend-store-uri", f"sqlite:///{folder / 'server.db'}", "--artifacts-destination",
                str(folder / "artifacts"), "--workers", "1"]
-    log = (folder / "server.log").open("w")
     # without its job runner: seven huey consumers that would take both cores from the training under test
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=folder, start_new_session=True,
-                              env=env)
     uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"mlflow server exited ({server.returncode}): {(folder / 'server.log').read_text()}")
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not answer within {SERVER_START_S} s") from None
-                time.sleep(0.3)
+    with serve(command, f"{uri}/health", log=folder / "server.log", start_s=SERVER_START_S, env=env, cwd=folder,
+               preexec_fn=preexec_fn):
         yield uri
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, 15)
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-            server.wait()
-        log.close()
 
 
 BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of (crc, length, type) framed records
