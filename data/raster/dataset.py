@@ -17,8 +17,10 @@
 """
 from __future__ import annotations
 
+import glob
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -179,13 +181,30 @@ class RasterSegmentation(Dataset):
         return to_tensors(image, labels) if self.transform is None else self.transform(image, labels)
 
 
+def expand(root: Path, entries: Sequence[str], key: str) -> list[Path]:
+    """`entries` under `root`, each a path or a glob pattern (tiles/*.tif: its files in sorted order);
+    RasterError naming the key and the pattern that matches nothing."""
+    paths: list[Path] = []
+    for entry in entries:
+        if any(char in entry for char in "*?["):
+            found = sorted(path for path in root.glob(entry) if path.is_file()) if not Path(entry).is_absolute() \
+                else sorted(Path(path) for path in glob.glob(entry) if os.path.isfile(path))
+            if not found:
+                raise RasterError(f"{key}: the pattern '{entry}' matches no file under '{root}'")
+            paths.extend(found)
+        else:
+            paths.append(root / entry)
+    return paths
+
+
 def build_raster(data_cfg: Any, split: str, transform: Transform) -> RasterSegmentation:
-    """data.dataset=raster: `split` of a validated `data` config section, read through `transform`."""
+    """data.dataset=raster: `split` of a validated `data` config section, read through `transform`. Entries of
+    data.scenes and data.labels may be glob patterns (their matches pair up in sorted order)."""
     root = Path(data_cfg.root).expanduser() if data_cfg.root else Path(".")
     region = data_cfg.val_region
     if region and not is_box(region):
         region = str(root / region)  # a vector file under data.root (an absolute path stays itself)
-    return RasterSegmentation([root / path for path in data_cfg.scenes], [root / path for path in data_cfg.labels],
+    return RasterSegmentation(expand(root, data_cfg.scenes, "data.scenes"), expand(root, data_cfg.labels, "data.labels"),
                               split, num_classes=data_cfg.num_classes, class_names=tuple(data_cfg.class_names),
                               ignore_index=data_cfg.ignore_index, transform=transform, crop_size=data_cfg.crop_size,
                               scale_low=float(data_cfg.scale_range[0]), chips_per_epoch=data_cfg.chips_per_epoch,

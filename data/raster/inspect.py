@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from syncseg.data.raster.labels import RasterLabels, VectorLabels, is_vector, vector_crs
-from syncseg.data.raster.scenes import Scene, check_scene_format, open_raster, read_scene
+from syncseg.data.raster.scenes import RasterError, Scene, check_scene_format, open_raster, read_scene
 
 SAMPLE_SIDE = 1024  # the longer side of the reduced read
 SPARSE = 0.2  # labels on less than this share of the valid pixels are sparse
@@ -116,13 +116,19 @@ def describe(data_cfg: Any) -> tuple[list[str], dict[str, Any]]:
     """The report's lines (each scene and its labels, then the config lines) and the same figures as a dict."""
     from pathlib import Path
 
+    from syncseg.data.raster.dataset import expand
+
     root = Path(data_cfg.root).expanduser() if data_cfg.root else Path(".")
-    labels = list(data_cfg.labels) * (len(data_cfg.scenes) if len(data_cfg.labels) == 1 else 1)
+    scenes, labels = expand(root, data_cfg.scenes, "data.scenes"), expand(root, data_cfg.labels, "data.labels")
+    if len(labels) not in (1, len(scenes)):
+        raise RasterError(f"data.labels names {len(labels)} files for {len(scenes)} scenes; expected one per scene, "
+                          "or one for all")
+    labels = labels * (len(scenes) if len(labels) == 1 else 1)
     reports = []
     lines = []
-    for path, label in zip(data_cfg.scenes, labels):
-        scene = read_scene(root / path)
-        report = inspect_scene(scene, str(root / label), num_classes=data_cfg.num_classes,
+    for path, label in zip(scenes, labels):
+        scene = read_scene(path)
+        report = inspect_scene(scene, str(label), num_classes=data_cfg.num_classes,
                                class_names=tuple(data_cfg.class_names), attribute=data_cfg.label_attribute,
                                uncovered=data_cfg.uncovered, ignore=data_cfg.ignore_index)
         reports.append(report)

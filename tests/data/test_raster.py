@@ -141,6 +141,23 @@ def test_through_the_config(tmp_path):
             tmp_path, ["a.tif"], [])[4:])
 
 
+def test_scenes_and_labels_as_glob_patterns_pair_up_in_sorted_order(tmp_path):
+    first, second = write_scene(tmp_path / "tiles", "a", seed=1), write_scene(tmp_path / "tiles", "b", seed=2)
+    config = load_config("demo.yaml", raster_overrides(tmp_path, ["tiles/?.tif"], ["tiles/*_labels.tif"],
+                                                       extra=("data.chips_per_epoch=8",)))
+    data = build_dataset(config.data, "all", train=False)
+    assert [scene.path for scene in data.scenes] == [str(first.image), str(second.image)]
+    assert [labels.path for labels in data.labels] == [str(first.labels), str(second.labels)]
+    for index in range(len(data)):
+        scene_index, chip = data.window(index)
+        truth = (first, second)[scene_index].truth[chip.top:chip.bottom, chip.left:chip.right]
+        labels = data.load(index)[1]
+        assert ((labels == truth) | (labels == IGNORE)).all()
+    missing = load_config("demo.yaml", raster_overrides(tmp_path, ["tiles/*.jp2"], ["tiles/a_labels.tif"]))
+    with pytest.raises(RasterError, match=r"data.scenes: the pattern 'tiles/\*.jp2' matches no file under"):
+        build_dataset(missing.data, "train", train=True)
+
+
 def test_a_raster_without_crs_is_said_once(tmp_path, caplog):
     written = write_scene(tmp_path, crs=None)
     caplog.set_level(logging.WARNING)

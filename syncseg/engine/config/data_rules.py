@@ -40,7 +40,8 @@ def _check_raster_keys(data: Any, source: str) -> None:
         if not value:
             raise ValueError(f"{source}: dataset 'raster' needs {key}: the image rasters (data.scenes) and one label "
                              "raster or vector file per scene or for all (data.labels), paths under data.root")
-    if len(data.labels) not in (1, len(data.scenes)):
+    patterns = any(char in entry for entry in (*data.scenes, *data.labels) for char in "*?[")
+    if not patterns and len(data.labels) not in (1, len(data.scenes)):  # patterns: counted once expanded
         raise ValueError(f"{source}: data.labels has {len(data.labels)} entries for {len(data.scenes)} data.scenes; "
                          "expected one per scene, or one for all")
     if data.class_colors or data.reduce_zero_label:

@@ -96,7 +96,8 @@ class DataConfig:
     # georeferenced scenes (data.dataset=raster, syncseg/data/raster): image rasters and their label rasters or
     # vector files (one per scene, or one for all) under data.root, the vector attribute that is the class,
     # the validation region (a vector file or "minx,miny,maxx,maxy"; "" = each scene's bottom fifth), the random
-    # training chips per epoch, and the factor that takes a float raster's values to 0..data.max_value
+    # training chips per epoch, and the factor that takes a float raster's values to 0..data.max_value; entries
+    # of scenes and labels may be glob patterns (tiles/*.tif), paired in sorted order
     scenes: tuple[str, ...] = ()
     labels: tuple[str, ...] = ()
     label_attribute: str = "class"
