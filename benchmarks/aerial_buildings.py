@@ -102,20 +102,24 @@ def iou(predicted: np.ndarray, truth: np.ndarray) -> float:
     return float(np.count_nonzero(predicted & truth) / union) if union else 0.0
 
 
-def threshold_baseline(seed: int = SEED) -> float:
-    """Building IoU on the validation rows of the best grey-level interval [low, high] on the training rows."""
+def threshold_baseline(seed: int = SEED, levels: int = 40) -> float:
+    """Building IoU on the validation rows of the grey-level interval (whole bins of `levels` over 0..1) whose
+    building IoU on the training rows is the best."""
     image, buildings, footprint, _ = build(seed)
     train, val = slice(0, SIZE - VAL_ROWS), slice(SIZE - VAL_ROWS, SIZE)
-    levels = np.linspace(0, 1, 41)
-    best, chosen = -1.0, (0.0, 1.0)
-    for low in levels:
-        for high in levels[levels > low]:
-            inside = (image[train] >= low) & (image[train] <= high) & footprint[train]
-            score = iou(inside, buildings[train] & footprint[train])
-            if score > best:
-                best, chosen = score, (low, high)
-    low, high = chosen
-    return iou((image[val] >= low) & (image[val] <= high) & footprint[val], buildings[val] & footprint[val])
+    bins = np.minimum((image * levels).astype(int), levels - 1)
+
+    def counts(rows: slice, truth: bool) -> np.ndarray:  # pixels per bin, with 0 before the first
+        chosen = footprint[rows] & (buildings[rows] == truth)
+        return np.concatenate([[0], np.cumsum(np.bincount(bins[rows][chosen], minlength=levels))])
+
+    hits, misses = counts(train, True), counts(train, False)
+    first, last = np.triu_indices(levels + 1, 1)  # the interval of bins first..last-1
+    scores = (hits[last] - hits[first]) / (hits[-1] + misses[last] - misses[first])
+    best = int(np.argmax(scores))
+    low, high = first[best], last[best]
+    predicted = (bins[val] >= low) & (bins[val] < high) & footprint[val]
+    return iou(predicted, buildings[val] & footprint[val])
 
 
 def data_overrides(root: Path) -> list[str]:

@@ -26,12 +26,13 @@ def test_the_scene_is_16_bit_with_a_nodata_frame_and_dense_labels(tmp_path):
 
 @pytest.mark.slow
 def test_the_advised_base_beats_the_per_pixel_baseline(tmp_path):
-    """verify_dataset advises scenes.yaml for these dense labels; 60 of its 400 steps already beat the baseline
-    (measured at 400: building IoU 0.85 against the baseline's 0.17; docs/own-data.md)."""
+    """verify_dataset advises scenes.yaml for these dense labels; 40 of its 400 steps already beat the baseline
+    (measured at 40: building IoU 0.62 in bf16, 0.61 in fp32; at 400: 0.85 against the baseline's 0.17;
+    docs/own-data.md)."""
     aerial_buildings.write_scene(tmp_path)
     lines, base = aerial_buildings.verify_lines(tmp_path)
     assert base == "scenes.yaml" and "data.max_value=65535" in lines and "data.in_channels=1" in lines
     baseline = aerial_buildings.threshold_baseline()
-    score = aerial_buildings.train(tmp_path, base, lines, ["train.iters=60", "train.val_interval=30", "train.num_vis_images=0",
+    score = aerial_buildings.train(tmp_path, base, lines, ["train.iters=40", "train.val_interval=40", "train.num_vis_images=0",
                                                            "data.num_workers=0"], tmp_path / "run")
     assert score > baseline + 0.2, (score, baseline)
