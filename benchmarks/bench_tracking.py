@@ -32,18 +32,15 @@ from benchmarks.common import balanced_orders, config_parser, environment, judge
 from benchmarks.common import quiet_gc, summary, write_record
 
 
-def _idle() -> None:
-    """In a server's child process: run only when the CPU is otherwise idle (SCHED_IDLE)."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-
 @contextlib.contextmanager
 def _niced_servers(folder: Path):
     """moto's S3 server and an mlflow server on loopback, at SCHED_IDLE; yields (S3 environment, MLflow URI)."""
+    from syncseg.engine.upload_worker import lower_priority  # SCHED_IDLE, as syncseg's uploads run
     from tests.object_store import s3_client, s3_server
     from tests.trackers import mlflow_server
 
-    with s3_server(folder / "s3", preexec_fn=_idle) as env, mlflow_server(folder / "mlflow", preexec_fn=_idle) as uri:
+    with s3_server(folder / "s3", preexec_fn=lower_priority) as env, \
+            mlflow_server(folder / "mlflow", preexec_fn=lower_priority) as uri:
         s3_client(env).create_bucket(Bucket="bench")
         yield env, uri
 

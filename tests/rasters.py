@@ -48,17 +48,16 @@ def write_scene(folder: Path, name: str = "scene", *, size: tuple[int, int] = (2
     values = np.where(truth[None] == 1, rng.uniform(0.6, 0.9, (bands, height, width)), ground)
     floating = np.issubdtype(np.dtype(dtype), np.floating)
     pixels = values.astype(dtype) if floating else np.maximum(1, values * np.iinfo(dtype).max).astype(dtype)
-    fill = nodata
     if frame:
         border = np.ones(size, bool)
         border[frame:-frame, frame:-frame] = False
-        pixels[:, border] = 0 if fill is None else fill
+        pixels[:, border] = 0 if nodata is None else nodata
     folder.mkdir(parents=True, exist_ok=True)
     transform = scene_transform()
     profile = {"driver": "GTiff", "height": height, "width": width, "transform": transform, "crs": crs,
                "tiled": True, "blockxsize": 64, "blockysize": 64}
     image = folder / f"{name}.tif"
-    with rasterio.open(image, "w", count=bands, dtype=dtype, nodata=fill, **profile) as sink:
+    with rasterio.open(image, "w", count=bands, dtype=dtype, nodata=nodata, **profile) as sink:
         sink.write(pixels)
     labels = folder / f"{name}_labels.tif"
     with rasterio.open(labels, "w", count=1, dtype="uint8", **profile) as sink:

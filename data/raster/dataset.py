@@ -22,7 +22,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -133,10 +133,9 @@ class RasterSegmentation(Dataset):
     def __len__(self) -> int:
         return self.chips_per_epoch if self.split == "train" else len(self.chips)
 
-    def window(self, index: int) -> tuple[int, Window]:
-        """(scene index, chip) of item `index`: a training chip is drawn from (data.seed, index)."""
-        if self.split != "train":
-            return self.chips[index]
+    def _draws(self, index: int) -> Iterator[tuple[int, Window]]:
+        """The (scene index, chip) positions training item `index` tries, in order: drawn from (data.seed, index),
+        none meeting the validation region; RasterError after DRAWS_PER_CHIP draws."""
         generator = np.random.default_rng([self.seed, index])
         height, width = self.chip
         for _ in range(DRAWS_PER_CHIP):
@@ -144,14 +143,28 @@ class RasterSegmentation(Dataset):
             scene = self.scenes[scene_index]
             chip = Window(int(generator.integers(0, scene.height - height + 1)),
                           int(generator.integers(0, scene.width - width + 1)), height, width)
-            if any(chip.intersects(region) for region in self.val[scene_index]):
-                continue
-            if self.readers[scene_index].valid(chip).any():
-                return scene_index, chip
-            self.num_skipped += 1
+            if not any(chip.intersects(region) for region in self.val[scene_index]):
+                yield scene_index, chip
         raise RasterError(f"raster train: no {width}x{height} chip outside data.val_region with a valid pixel in "
                           f"{DRAWS_PER_CHIP} draws ({', '.join(s.path for s in self.scenes)}); the region or the "
                           "nodata covers (nearly) all of the scenes")
+
+    def _read(self, index: int) -> tuple[int, Window, np.ndarray, np.ndarray]:
+        """(scene index, chip, image, valid pixels) of item `index`: a training chip is the first of its draws with
+        a valid pixel (each draw's image and valid pixels read once)."""
+        if self.split != "train":
+            scene_index, chip = self.chips[index]
+            return (scene_index, chip, *self.readers[scene_index].read(chip))
+        for scene_index, chip in self._draws(index):
+            image, valid = self.readers[scene_index].read(chip)
+            if valid.any():
+                return scene_index, chip, image, valid
+            self.num_skipped += 1
+        raise AssertionError("unreachable: _draws raises when it runs out")
+
+    def window(self, index: int) -> tuple[int, Window]:
+        """(scene index, chip) of item `index`."""
+        return self.chips[index] if self.split != "train" else self._read(index)[:2]
 
     def name_of(self, index: int) -> str:
         scene_index, chip = self.window(index)
@@ -162,8 +175,7 @@ class RasterSegmentation(Dataset):
 
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """(image H x W x C, labels H x W uint8) of item `index`; the image's nodata is the ignore label."""
-        scene_index, chip = self.window(index)
-        image, valid = self.readers[scene_index].read(chip)
+        scene_index, chip, image, valid = self._read(index)
         source = self.labels[scene_index]
         raw = source.read(chip).astype(np.int64, copy=False)
         if raw.max(initial=0) > 255 or raw.min(initial=0) < 0:
@@ -197,16 +209,28 @@ def expand(root: Path, entries: Sequence[str], key: str) -> list[Path]:
     return paths
 
 
+def data_root(data_cfg: Any) -> Path:
+    return Path(data_cfg.root).expanduser() if data_cfg.root else Path(".")
+
+
+def scene_files(data_cfg: Any) -> tuple[list[Path], list[Path]]:
+    """(the scenes, each one's label source) that data.scenes and data.labels name under data.root; entries may
+    be glob patterns, whose matches pair up in sorted order. RasterError when the counts do not pair up."""
+    root = data_root(data_cfg)
+    scenes, labels = expand(root, data_cfg.scenes, "data.scenes"), expand(root, data_cfg.labels, "data.labels")
+    if len(labels) not in (1, len(scenes)):
+        raise RasterError(f"data.labels names {len(labels)} files for {len(scenes)} scenes; expected one label "
+                          "raster or vector file per scene, or one for all")
+    return scenes, labels * (len(scenes) if len(labels) == 1 else 1)
+
+
 def build_raster(data_cfg: Any, split: str, transform: Transform) -> RasterSegmentation:
-    """data.dataset=raster: `split` of a validated `data` config section, read through `transform`. Entries of
-    data.scenes and data.labels may be glob patterns (their matches pair up in sorted order)."""
-    root = Path(data_cfg.root).expanduser() if data_cfg.root else Path(".")
+    """data.dataset=raster: `split` of a validated `data` config section, read through `transform`."""
     region = data_cfg.val_region
     if region and not is_box(region):
-        region = str(root / region)  # a vector file under data.root (an absolute path stays itself)
-    return RasterSegmentation(expand(root, data_cfg.scenes, "data.scenes"), expand(root, data_cfg.labels, "data.labels"),
-                              split, num_classes=data_cfg.num_classes, class_names=tuple(data_cfg.class_names),
-                              ignore_index=data_cfg.ignore_index, transform=transform, crop_size=data_cfg.crop_size,
+        region = str(data_root(data_cfg) / region)  # a vector file under data.root (an absolute path stays itself)
+    return RasterSegmentation(*scene_files(data_cfg), split, num_classes=data_cfg.num_classes,
+                              class_names=tuple(data_cfg.class_names), ignore_index=data_cfg.ignore_index, transform=transform, crop_size=data_cfg.crop_size,
                               scale_low=float(data_cfg.scale_range[0]), chips_per_epoch=data_cfg.chips_per_epoch,
                               seed=data_cfg.seed, val_region=region, label_attribute=data_cfg.label_attribute,
                               uncovered=data_cfg.uncovered, label_map=data_cfg.label_map,

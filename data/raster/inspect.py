@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from syncseg.data.raster.labels import RasterLabels, VectorLabels, is_vector, vector_crs
-from syncseg.data.raster.scenes import RasterError, Scene, check_scene_format, open_raster, read_scene
+from syncseg.data.raster.labels import RasterLabels, VectorLabels, crs_differs, is_vector, vector_crs
+from syncseg.data.raster.scenes import Scene, check_scene_format, open_raster, read_scene
 
 SAMPLE_SIDE = 1024  # the longer side of the reduced read
 SPARSE = 0.2  # labels on less than this share of the valid pixels are sparse
@@ -35,12 +35,6 @@ class SceneReport:
     label_lines: list[str] = field(default_factory=list)
     labelled_share: float = 0.0  # of the valid pixels
     class_pixels: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-
-
-def rasterio_crs(text: str) -> Any:
-    from rasterio.crs import CRS
-
-    return CRS.from_user_input(text)
 
 
 def _reduced(scene: Scene) -> tuple[int, int, float]:
@@ -73,7 +67,7 @@ def inspect_scene(scene: Scene, labels: str, *, num_classes: int, class_names: S
         covered = (drawn != ignore) & valid
         report.label_lines.append(f"{len(source.shapes)} features in {labels}")
         crs = vector_crs(labels)
-        if scene.crs and crs and rasterio_crs(crs) != scene.crs:
+        if crs_differs(crs, scene):
             report.label_lines.append(f"{labels} is in {crs}, the scene in {scene.describe_crs()}: reprojected")
         if uncovered == "background":
             drawn = np.where(drawn == ignore, 0, drawn)
@@ -114,16 +108,9 @@ def advice(reports: Sequence[SceneReport], uncovered: str) -> tuple[str, str]:
 
 def describe(data_cfg: Any) -> tuple[list[str], dict[str, Any]]:
     """The report's lines (each scene and its labels, then the config lines) and the same figures as a dict."""
-    from pathlib import Path
+    from syncseg.data.raster.dataset import scene_files
 
-    from syncseg.data.raster.dataset import expand
-
-    root = Path(data_cfg.root).expanduser() if data_cfg.root else Path(".")
-    scenes, labels = expand(root, data_cfg.scenes, "data.scenes"), expand(root, data_cfg.labels, "data.labels")
-    if len(labels) not in (1, len(scenes)):
-        raise RasterError(f"data.labels names {len(labels)} files for {len(scenes)} scenes; expected one per scene, "
-                          "or one for all")
-    labels = labels * (len(scenes) if len(labels) == 1 else 1)
+    scenes, labels = scene_files(data_cfg)
     reports = []
     lines = []
     for path, label in zip(scenes, labels):

@@ -22,7 +22,7 @@ from syncseg.data.raster.scenes import GEO_EXTRA, RasterError, Scene, Window, op
 VAL_FRACTION = 0.2  # without data.val_region: the bottom fifth of each scene's rows validate
 
 
-def _fiona() -> Any:
+def fiona_module() -> Any:
     try:
         import fiona
     except ImportError:
@@ -60,7 +60,7 @@ def read_vectors(path: str, scene: Scene, *, attribute: str = "", class_names: S
     """The features of the vector file `path` as (geometry in the scene's CRS, value): the class index of
     `attribute` (checked against `num_classes` / `class_names`), or with attribute "" the feature's order (for
     regions)."""
-    fiona = _fiona()
+    fiona = fiona_module()
     if not os.path.isfile(path):
         raise RasterError(f"vector file '{path}' not found")
     try:
@@ -74,7 +74,7 @@ def read_vectors(path: str, scene: Scene, *, attribute: str = "", class_names: S
     if not features:
         raise RasterError(f"vector file '{path}' has no features with a geometry")
     crs_text = crs.to_string() if crs else ""
-    if scene.crs and crs_text and rasterio_module().crs.CRS.from_user_input(crs) != scene.crs:
+    if crs_differs(crs_text, scene):
         say_once(f"vector file '{path}' is in {crs_text}, the scene '{scene.path}' in {scene.describe_crs()}: its "
                  "geometries are reprojected to the scene's CRS")
         from rasterio.warp import transform_geom
@@ -109,9 +109,14 @@ def _class_index(value: Any, path: str, fid: Any, attribute: str, class_names: S
     return index
 
 
+def crs_differs(crs: str, scene: Scene) -> bool:
+    """Whether a vector file's CRS (as text, "" without one) is another than the scene's (both must have one)."""
+    return bool(scene.crs and crs) and rasterio_module().crs.CRS.from_user_input(crs) != scene.crs
+
+
 def vector_crs(path: str) -> str:
     """The CRS of a vector file, as text ("" without one)."""
-    with _fiona().open(path) as layer:
+    with fiona_module().open(path) as layer:
         return layer.crs.to_string() if layer.crs else ""
 
 

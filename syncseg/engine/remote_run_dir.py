@@ -5,8 +5,8 @@ writes a local run dir: the same atomic saves, lock and files. Rank 0 mirrors th
 thread of its own: after each checkpoint save a pass uploads every file that changed, last.pt and best.pt
 after the rest (so metrics.jsonl never lags the checkpoint a resume reads), each through a temporary key
 and a move (object_store.put_atomically), the bytes sent by a low-priority process of its own
-(syncseg.engine.upload_worker: in a thread, the client's work took the GIL from the training). Saves that come faster than uploads coalesce into one pass: a
-step never waits for the store. At the end (and on a stop) the last pass is waited for, at most
+(syncseg.engine.upload_worker: in a thread, the client's work took the GIL from the training). Saves that
+come faster than uploads coalesce into one pass: a step never waits for the store. At the end (and on a stop) the last pass is waited for, at most
 log.timeout_s; what it could not upload stays in the staging folder, and the warning says where.
 
 Starting: the URL is probed with a small write (a missing bucket or bad credentials refuse the run at

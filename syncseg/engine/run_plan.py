@@ -231,8 +231,9 @@ def _resume_or_fresh(source: ConfigSource, resume: str | None, *, current: dict[
         existing = [name for name in CHECKPOINT_NAMES if (run_dir / name).is_file()]
         if existing and not overwrite:
             held = peek_checkpoint(run_dir / existing[0]) or {}
+            where = remote.url if remote is not None else run_dir
             raise ValueError(
-                f"run dir '{remote.url if remote is not None else run_dir}' already holds a run ({', '.join(existing)}, iteration "
+                f"run dir '{where}' already holds a run ({', '.join(existing)}, iteration "
                 f"{held.get('iteration', '?')}); continue it with --resume auto, write elsewhere with "
                 "output_dir=..., or replace it with --overwrite")
         for name in existing:

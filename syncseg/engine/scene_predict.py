@@ -217,9 +217,9 @@ def _as_cog(source: Path, target: Path) -> None:
 def _write_vectors(classes: Path, target: Path, class_names: Sequence[str]) -> None:
     """Polygons of each class of the class raster as GeoJSON (EPSG:4326 as RFC 7946 has it, when the raster has a
     CRS), traced block by block (polygons are cut at block borders), every class but nodata."""
-    from syncseg.data.raster.labels import _fiona
+    from syncseg.data.raster.labels import fiona_module
 
-    fiona = _fiona()
+    fiona = fiona_module()
     rasterio = rasterio_module()
     from rasterio.features import shapes
     from rasterio.warp import transform_geom

@@ -33,7 +33,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
     """SCHED_IDLE where Linux offers it (the process runs only on CPU time nothing else wants, and yields
     at once when a training thread wakes up), else nice NICE."""
     try:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         return 1
-    _lower_priority()
+    lower_priority()
     from syncseg.engine.object_store import filesystem, put_atomically
 
     fs, _ = filesystem(argv[0])

@@ -6,13 +6,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("rasterio")
 pytest.importorskip("fiona")
 
 from tests.e2e.common import ROOT  # noqa: E402
-from tests.e2e.test_train_e2e import train_forked, train_losses  # noqa: E402
+from tests.e2e.test_train_e2e import straight_and_resumed  # noqa: E402
 from tests.rasters import raster_overrides, write_polygons, write_scene  # noqa: E402
 
 TINY = ["model.backbone=resnet18", "model.head_channels=16", "model.aspp_rates=1", "model.aux_loss=false",
@@ -26,12 +25,7 @@ def test_a_resumed_scene_run_reproduces_the_uninterrupted_losses(tmp_path):
     polygons = write_polygons(tmp_path / "data" / "buildings.geojson", written, crs="EPSG:4326")
     common = ["--config", "demo.yaml", *TINY,
               *raster_overrides(tmp_path / "data", [written.image.name], [polygons.name], crop=32)]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    train_forked(tmp_path / "straight.log", *common, f"output_dir={straight}")
-    train_forked(tmp_path / "split.log", *common, f"output_dir={split}", "--stop-at", "2")
-    assert torch.load(split / "last.pt", map_location="cpu", weights_only=True)["iteration"] == 2
-    train_forked(tmp_path / "resumed.log", *common, f"output_dir={split}", "--resume", "auto", "data.num_workers=1")
-    expected, resumed = train_losses(straight), train_losses(split)
+    expected, resumed, _ = straight_and_resumed(tmp_path, common, stop_at=2)
     assert sorted(expected) == sorted(resumed) == list(range(1, 7))
     for iteration in range(1, 7):
         assert resumed[iteration] == pytest.approx(expected[iteration], abs=1e-6, rel=0), iteration

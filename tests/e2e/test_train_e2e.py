@@ -50,6 +50,18 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in read_metrics(run_dir) if r["type"] == "train"}
 
 
+def straight_and_resumed(tmp_path: Path, common: list[str], *, stop_at: int) -> tuple[dict, dict, Path]:
+    """`train.py COMMON` straight through, and again stopped at `stop_at` (its last.pt checked) then resumed with
+    --resume auto and another worker count (augmentation is seeded per sample, not per worker): the train losses
+    of each, and the resumed run's dir."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train_forked(tmp_path / "straight.log", *common, f"output_dir={straight}")
+    train_forked(tmp_path / "split.log", *common, f"output_dir={split}", "--stop-at", str(stop_at))
+    assert torch.load(split / "last.pt", map_location="cpu", weights_only=True)["iteration"] == stop_at
+    train_forked(tmp_path / "resumed.log", *common, f"output_dir={split}", "--resume", "auto", "data.num_workers=1")
+    return train_losses(straight), train_losses(split), split
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     """One 4-iteration run (validation and checkpoints every 2 iterations) that the tests below inspect."""
@@ -142,14 +154,7 @@ def test_eval_cli_on_best_checkpoint_reproduces_the_validation_miou(trained_run,
 @pytest.mark.slow
 def test_resumed_run_reproduces_uninterrupted_losses(tmp_path):
     common = ["--config", "demo.yaml", *TINY, "train.iters=8", "train.val_interval=100", "train.ckpt_interval=100"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    train_forked(tmp_path / "straight.log", *common, f"output_dir={straight}")
-    train_forked(tmp_path / "split.log", *common, f"output_dir={split}", "--stop-at", "3")
-    assert torch.load(split / "last.pt", map_location="cpu", weights_only=True)["iteration"] == 3
-    # a different worker count after the resume: augmentation is seeded per sample, not per worker
-    train_forked(tmp_path / "resumed.log", *common, f"output_dir={split}", "--resume", "auto", "data.num_workers=1")
-
-    expected, resumed = train_losses(straight), train_losses(split)
+    expected, resumed, split = straight_and_resumed(tmp_path, common, stop_at=3)
     assert sorted(expected) == list(range(1, 9)) and sorted(resumed) == list(range(1, 9))
     for iteration in range(1, 9):
         assert resumed[iteration] == pytest.approx(expected[iteration], abs=1e-6, rel=0), iteration
